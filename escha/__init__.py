@@ -1,0 +1,12 @@
+"""escha: 2-bit trellis-coded LLM weights (Escha W2), fast on GPUs.
+
+Public API: QuantizedWeight, quantize, dequantize, matmul, save_file, load_file, codebooks.
+"""
+from .format import FormatError, QuantizedWeight, codebooks, dequantize, random_qweight
+from .io import load_file, save_file
+from .ops import matmul
+from .quant import quantize
+
+__version__ = "0.1.0"
+__all__ = ["QuantizedWeight", "FormatError", "codebooks", "quantize", "dequantize", "matmul",
+           "save_file", "load_file", "random_qweight", "__version__"]

@@ -1,0 +1,33 @@
+"""The escha command line: help, argument errors, and the demo end to end."""
+import pytest
+
+from escha.cli import main
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "demo" in out
+
+
+def test_no_subcommand_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    assert "required" in capsys.readouterr().err
+
+
+def test_demo_bad_bits(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--bits", "7"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_demo_runs_and_checks(capsys):
+    assert main(["demo", "--out-features", "64", "--in-features", "96", "--m", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "rate-distortion bound 0.0625" in out
+    assert "PASS" in out
