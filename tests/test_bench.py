@@ -1,0 +1,374 @@
+"""escha.bench on CPU: the harness logic with fake arms and an injected timer."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from escha.bench import add_parser, check_args, main, run
+from escha.bench import report, roofline
+from escha.bench.arms import Arm, ArmMeta, make_arm, parse_arms
+from escha.bench.arms.mxfp4 import dequantize_mxfp4
+from escha.bench.arms.torch_arms import TorchBf16
+from escha.bench.harness import Gate, Row, Skip, measure_point, run_benchmark
+from escha.bench.method import MAX_BUFFERS, Spread, rotation_buffers, round_order
+from escha.bench.shapes import Shape, parse_shape, parse_shapes, parse_ms
+
+SMALL = Shape("small", 64, 128)
+H200_L2 = 62914560  # 60 MiB
+
+
+# -- fakes ---------------------------------------------------------------------------------
+class FakeArm(Arm):
+    """y = x @ W^T times ``factor`` (1.0 is correct); ``times[config index]`` is what the fake timer reports.
+    ``break_after`` makes run() wrong from that call on (a kernel that regresses mid-run)."""
+
+    def __init__(self, name: str, times=(10.0,), factor: float = 1.0, configs=None,
+                 weight_bits: float = 16.0, bad_configs=(), break_after: int | None = None):
+        self.name = name
+        self.meta = ArmMeta(weight_bits=weight_bits)
+        self.times = list(times)
+        self.factor = factor
+        self._configs = configs if configs is not None else [{}]
+        self.bad_configs = set(bad_configs)
+        self.break_after = break_after
+        self.prepared = 0
+        self.calls = 0
+
+    def configs(self):
+        return [dict(c) for c in self._configs]
+
+    def configure(self, state, config):
+        return {"w": state["w"], "cfg": config}
+
+    def prepare(self, N, K, M, device):
+        self.prepared += 1
+        return {"w": torch.randn(N, K), "cfg": {}}
+
+    def run(self, state, x):
+        self.calls += 1
+        factor = self.factor
+        if state["cfg"].get("v") in self.bad_configs:
+            factor = 2.0
+        if self.break_after is not None and self.calls > self.break_after:
+            factor = 3.0
+        return (x.float() @ state["w"].t()) * factor
+
+    def reference(self, state, x):
+        return x.float() @ state["w"].t()
+
+
+class FakeSampler:
+    def __init__(self, label, value, log):
+        self.label, self.value, self.log = label, value, log
+
+    def sample(self):
+        self.log.append(self.label)
+        return self.value
+
+
+class FakeTimer:
+    """Reports each arm's scripted time; records build calls and the order of samples."""
+
+    def __init__(self, arms):
+        self.arms = {a.name: a for a in arms}
+        self.order: list[str] = []
+        self.built: list[tuple[str, int]] = []
+
+    def build(self, fn, n_buffers, label):
+        for i in range(n_buffers):
+            fn(i)
+        self.built.append((label, n_buffers))
+        name = label.split("[")[0]
+        arm = self.arms[name]
+        idx = 0
+        if "[" in label:
+            cfg = dict(kv.split("=") for kv in label[len(name) + 1:-1].split(","))
+            idx = int(cfg["v"])
+        return FakeSampler(label, arm.times[idx], self.order)
+
+
+def measure(arms, rounds=5, l2=0, shape=SMALL, M=4):
+    timer = FakeTimer(arms)
+    rows, skips = measure_point(shape, M, arms, timer=timer, rounds=rounds, l2_bytes=l2,
+                                device="cpu", log=lambda s: None)
+    return rows, skips, timer
+
+
+# -- the method ------------------------------------------------------------------------------
+def test_round_order_rotates():
+    assert round_order(3, 0) == [0, 1, 2]
+    assert round_order(3, 1) == [1, 2, 0]
+    assert round_order(3, 2) == [2, 0, 1]
+    assert round_order(3, 4) == [1, 2, 0]
+    assert round_order(0, 3) == []
+
+
+def test_interleaving_order_across_rounds():
+    arms = [FakeArm("a"), FakeArm("b"), FakeArm("c")]
+    _, _, timer = measure(arms, rounds=5)
+    assert timer.order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c", "b", "c", "a"]
+
+
+def test_rotation_buffer_counts():
+    gate_up = 17408 * 5120
+    assert rotation_buffers(H200_L2, gate_up * 2) == 2  # bf16: 178 MB per buffer
+    assert rotation_buffers(H200_L2, gate_up // 2) == 6  # 4-bit: 44.6 MB per buffer
+    assert rotation_buffers(H200_L2, gate_up // 4) == 12  # 2-bit: 22.3 MB per buffer
+    assert rotation_buffers(100, 400) == 1
+    assert rotation_buffers(100, 399) == 2
+    assert rotation_buffers(10**9, 1) == MAX_BUFFERS
+    assert rotation_buffers(0, 10) == 1
+    with pytest.raises(ValueError):
+        rotation_buffers(100, 0)
+
+
+def test_harness_rotates_over_computed_buffer_count():
+    arm = FakeArm("a", weight_bits=16.0)  # 64*128*2 = 16384 bytes per buffer
+    rows, _, timer = measure([arm], l2=10000)  # 4*10000/16384 -> 3
+    assert arm.prepared == 3
+    assert timer.built == [("a", 3)]
+    assert rows[0].extra["buffers"] == 3
+    assert rows[0].extra["working_set_bytes"] == 3 * 16384
+
+
+def test_spread_median_min_max():
+    s = Spread.of([5.0, 1.0, 3.0, 9.0, 4.0])
+    assert (s.median, s.low, s.high) == (4.0, 1.0, 9.0)
+    assert all(math.isnan(v) for v in (Spread.of([]).median, Spread.of([]).low))
+
+
+# -- gates and best-of -----------------------------------------------------------------------------
+def test_arm_failing_its_gate_is_refused_timing():
+    good, bad = FakeArm("good", times=[7.0]), FakeArm("bad", times=[1.0], factor=1.5)
+    rows, _, timer = measure([good, bad])
+    by = {r.arm: r for r in rows}
+    assert by["bad"].gate is Gate.FAIL
+    assert math.isnan(by["bad"].us) and math.isnan(by["bad"].us_min)
+    assert by["bad"].rel_err == pytest.approx(0.5, rel=1e-5)
+    assert "bad" not in timer.order and all(lbl != "bad" for lbl, _ in timer.built)
+    assert by["good"].gate is Gate.PASS and by["good"].us == 7.0
+    doc = report.results_doc({"gpu": "g", "driver": "d", "torch": "t", "triton": "t", "git_sha": "s",
+                              "date": "x"}, rows, [])
+    assert [r["us"] for r in doc["rows"] if r["arm"] == "bad"] == [None]
+
+
+def test_arm_failing_mid_run_loses_its_samples():
+    # calls: first gate, the build's warm-up (one buffer), the gates of rounds 0 and 1; round 2's is wrong
+    arm = FakeArm("flaky", break_after=4)
+    rows, _, timer = measure([arm], rounds=5)
+    assert timer.order == ["flaky", "flaky"]  # rounds 0 and 1 were timed, then the re-gate refused it
+    assert rows[0].gate is Gate.FAIL and math.isnan(rows[0].us)
+    assert rows[0].rel_err == pytest.approx(2.0, rel=1e-5)
+
+
+def test_best_of_configs_picks_fastest_passing():
+    arm = FakeArm("tuned", times=[30.0, 10.0, 20.0], configs=[{"v": 0}, {"v": 1}, {"v": 2}], bad_configs={1})
+    rows, _, timer = measure([arm])
+    (row,) = rows
+    assert row.config == {"v": 2} and row.us == 20.0 and row.gate is Gate.PASS
+    assert [t["status"] for t in row.extra["tried"]] == ["pass", "fail", "pass"]
+    assert sorted(set(timer.order)) == ["tuned[v=0]", "tuned[v=2]"]
+    # every config of every arm is interleaved in the same rounds
+    assert timer.order[:2] == ["tuned[v=0]", "tuned[v=2]"]
+
+
+def test_all_configs_failing_records_the_closest():
+    arm = FakeArm("broken", configs=[{"v": 0}, {"v": 1}], bad_configs={0, 1})
+    (row,), _, _ = measure([arm])
+    assert row.gate is Gate.FAIL and row.config == {"v": 0}
+
+
+def test_unavailable_arm_is_skipped_with_reason():
+    class Missing(FakeArm):
+        def unavailable(self):
+            return "import gemlite failed"
+    rows, skips, _ = measure([FakeArm("a"), Missing("gemlite-w4")])
+    assert [r.arm for r in rows] == ["a"]
+    assert skips == [Skip("small", 4, "gemlite-w4", "import gemlite failed")]
+
+
+def test_real_torch_arm_on_cpu_with_fake_timer():
+    arm = TorchBf16()
+    timer = FakeTimer([FakeArm("torch-bf16", times=[3.0])])
+    rows, skips = run_benchmark([SMALL], [1, 16], [arm], timer=timer, rounds=5, l2_bytes=0, device="cpu",
+                                info=roofline.DeviceInfo("cpu", 132, 0, 1.98e9, 2.7e12), log=lambda s: None)
+    assert skips == [] and [r.M for r in rows] == [1, 16]
+    assert all(r.gate is Gate.PASS and r.rel_err < 1e-2 and r.us == 3.0 for r in rows)
+    assert rows[1].extra["bytes"] == 64 * 128 * 2 + 16 * 128 * 2 + 16 * 64 * 2
+    assert rows[1].extra["floor_codec_us"] is None
+
+
+# -- roofline ---------------------------------------------------------------------------------------
+def test_roofline_columns():
+    assert roofline.codec_floor_us(17408, 5120, 5.0, 132, 1.98e9) == pytest.approx(26.642, abs=1e-3)
+    assert roofline.bytes_moved(10, 20, 3, 4.0, 2, 2) == 10 * 20 / 2 + 3 * 20 * 2 + 3 * 10 * 2
+    assert roofline.memory_floor_us(2.7e6, 2.7e12) == pytest.approx(1.0)
+    assert roofline.tflops(1000, 1000, 1000, 1.0) == pytest.approx(2000.0)
+    assert math.isnan(roofline.tflops(1, 1, 1, float("nan")))
+
+
+def test_mxfp4_reference_dequantization():
+    w = torch.tensor([[0x21, 0xF9] * 16], dtype=torch.uint8)  # codes 1,2,9,15 repeated: 0.5, 1, -0.5, -6
+    s = torch.tensor([[127, 128]], dtype=torch.uint8)  # x1 for the first 32, x2 for the next 32
+    d = dequantize_mxfp4(w, s)
+    assert d.shape == (1, 64)
+    assert d[0, :4].tolist() == [0.5, 1.0, -0.5, -6.0]
+    assert d[0, 32:36].tolist() == [1.0, 2.0, -1.0, -12.0]
+
+
+# -- outputs ----------------------------------------------------------------------------------------
+def _row(arm, M, us, gate=Gate.PASS, shape="down", **extra):
+    nan = float("nan")
+    return Row(shape, 5120, 8704, M, arm, us if gate is Gate.PASS else nan,
+               us - 1 if gate is Gate.PASS else nan, us + 1 if gate is Gate.PASS else nan,
+               {}, gate, 1e-3 if gate is Gate.PASS else 0.3, extra)
+
+
+META = {"gpu": "NVIDIA H200", "driver": "570", "torch": "2.11", "triton": "3.6.0", "git_sha": "abc", "date": "d"}
+
+
+def test_json_schema_roundtrip_and_violations():
+    rows = [_row("torch-bf16", 8, 20.0, tflops=1.0), _row("escha", 8, 10.0), _row("triton-mxfp4", 8, 0, Gate.FAIL)]
+    doc = report.results_doc(META, rows, [Skip("down", 8, "gemlite-w2", "no gemlite")])
+    text = json.dumps(doc, allow_nan=False)
+    back = json.loads(text)
+    assert report.validate_results(back) == []
+    assert back["meta"]["skipped"] == [{"shape": "down", "M": 8, "arm": "gemlite-w2", "reason": "no gemlite"}]
+    assert list(back["rows"][0])[:11] == ["shape", "N", "K", "M", "arm", "us", "us_min", "us_max",
+                                          "config", "gate", "rel_err"]
+    assert back["rows"][2]["us"] is None and back["rows"][2]["gate"] == "fail"
+
+    broken = json.loads(text)
+    del broken["meta"]["git_sha"]
+    broken["rows"][0]["gate"] = "maybe"
+    broken["rows"][1]["N"] = "5120"
+    broken["rows"][2]["us"] = 1.0
+    del broken["rows"][1]["config"]
+    assert report.validate_results(broken) == [
+        "meta.git_sha missing or not a string",
+        "rows[0].gate must be 'pass' or 'fail', got 'maybe'",
+        "rows[1].N has type str",
+        "rows[1].config missing",
+        "rows[2] failed its gate but has a time",
+    ]
+    assert report.validate_results([]) == ["top level must be an object with 'meta' and 'rows'"]
+
+
+def test_table_rendering():
+    rows = [_row("torch-bf16", 8, 20.0), _row("escha", 8, 10.0), _row("triton-mxfp4", 8, 0, Gate.FAIL),
+            _row("torch-fp8", 512, 50.0, tflops=914.2), _row("escha", 512, 100.0, tflops=457.1)]
+    text = report.render_tables(rows)
+    lines = text.splitlines()
+    assert lines[0] == "## Decode (µs)"
+    assert "| down | 8 | escha | 10.0 | 9.0–11.0 | 0.500× | – | 1.00e-03 |" in lines
+    assert "| down | 8 | torch-bf16 | 20.0 | 19.0–21.0 | 1.000× | – | 1.00e-03 |" in lines
+    assert "| down | 8 | triton-mxfp4 | refused (gate, rel_err 3.00e-01) | – | – | – | 3.00e-01 |" in lines
+    assert "## Prefill (µs)" in lines
+    assert "| down | 512 | escha | 100.0 | 99.0–101.0 | 2.000× | 457.1 | 1.00e-03 |" in lines
+    assert report.render_skips([Skip("down", 1, "gemlite-w4", "x"), Skip("down", 8, "gemlite-w4", "x")]) == \
+        "## Skipped\n\n- gemlite-w4: x (2 points)\n"
+
+
+def test_plot_or_note(tmp_path):
+    note = report.plot([_row("escha", 8, 10.0), _row("escha", 64, 30.0)], tmp_path / "p.png")
+    assert note is None and (tmp_path / "p.png").stat().st_size > 0 or "matplotlib" in note
+
+
+# -- shapes, arms, CLI ----------------------------------------------------------------------------------
+def test_shape_parsing():
+    assert parse_shape("gate_up") == Shape("gate_up", 17408, 5120)
+    assert parse_shape("projx4096x5120") == Shape("proj", 4096, 5120)
+    assert parse_shape("boxx5x6") == Shape("box", 5, 6)
+    assert [s.name for s in parse_shapes("down,qx1x2")] == ["down", "q"]
+    assert parse_ms("1, 8,8,2048") == [1, 8, 2048]
+    for bad in ("nope", "x12x4", "qx0x4", "qx4"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+    with pytest.raises(ValueError):
+        parse_ms("0")
+
+
+def test_arm_names():
+    assert make_arm("torch-fp8").name == "torch-fp8"
+    assert make_arm("gemlite-w2").name == "gemlite-w2"
+    assert make_arm("escha").name == "escha"
+    assert make_arm("escha-split_k").name == "escha-split_k"
+    assert make_arm("escha-*").path == "*"
+    assert parse_arms("escha,torch-bf16,escha") == ["escha", "torch-bf16"]
+    for bad in ("cublas", "escha-", "escha-a b"):
+        with pytest.raises(ValueError):
+            make_arm(bad)
+
+
+def _cli():
+    p = argparse.ArgumentParser(prog="escha")
+    add_parser(p.add_subparsers(dest="cmd"))
+    return p
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        _cli().parse_args(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--shapes", "--m", "--arms", "--out", "--rounds", "--quick"):
+        assert opt in out
+
+
+def test_cli_defaults_and_dispatch():
+    args = _cli().parse_args(["bench"])
+    assert args.func is run and args.rounds == 5 and [s.name for s in args.shapes] == ["gate_up", "down"]
+    assert args.m == [1, 8, 40, 64, 512, 2048, 8192]
+    assert "escha" in args.arms and "gemlite-mxfp4" in args.arms
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--shapes", "gate_upx12"], "bad shape"),
+    (["bench", "--arms", "torch-bf16,cublas"], "unknown arm 'cublas'"),
+    (["bench", "--m", "8,zero"], "bad M"),
+    (["bench", "--rounds", "five"], "invalid int"),
+])
+def test_cli_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _cli().parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rounds_below_minimum(capsys, tmp_path):
+    args = _cli().parse_args(["bench", "--rounds", "3", "--out", str(tmp_path)])
+    assert check_args(args) is not None
+    assert args.func(args) == 2
+    assert "--rounds must be >= 5" in capsys.readouterr().err
+    assert check_args(_cli().parse_args(["bench", "--rounds", "3", "--quick"])) is None
+    assert check_args(_cli().parse_args(["bench", "--rounds", "0", "--quick"])) is not None
+    with pytest.raises(SystemExit) as e:
+        main(["--rounds", "4"])
+    assert e.value.code == 2
+
+
+def test_run_without_cuda_is_an_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run(_cli().parse_args(["bench", "--out", str(tmp_path)])) == 3
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_escha_arm_against_the_library_on_cpu():
+    arm = make_arm("escha")
+    if arm.unavailable():
+        pytest.skip(arm.unavailable())
+    shape = Shape("tiny", 128, 256)
+    timer = FakeTimer([FakeArm("escha", times=[5.0])])
+    rows, skips = run_benchmark([shape], [3], [arm], timer=timer, rounds=5, l2_bytes=128 * 64,
+                                device="cpu", info=roofline.DeviceInfo("cpu", 132, 0, 1.98e9, 2.7e12),
+                                log=lambda s: None)
+    assert skips == []
+    (row,) = rows
+    assert row.gate is Gate.PASS and row.rel_err < 1e-2 and row.us == 5.0
+    assert arm.meta.int_ops_per_weight > 0
+    assert row.extra["floor_codec_us"] == pytest.approx(128 * 256 * arm.meta.int_ops_per_weight / (64 * 132 * 1.98e9) * 1e6)
+    assert row.extra["buffers"] == math.ceil(4 * 128 * 64 / (arm.weight_bits(128, 256) * 128 * 256 / 8))
