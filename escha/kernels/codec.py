@@ -205,7 +205,7 @@ def f32_to_f16_rne(x):
     u = x.to(tl.uint32, bitcast=True)
     a = u & 0x7FFFFFFF
     sign = (u >> 16) & 0x8000
-    normal = tl.minimum((a + 0xFFF + ((a >> 13) & 1)) >> 13, 0x47C00) - 0x1C000  # 0x7C00 = Inf
+    normal = tl.minimum((a + 0xFFF + ((a >> 13) & 1)) >> 13, 0x23C00) - 0x1C000  # 0x7C00 = Inf
     sub = _rint_small(tl.abs(x) * 16777216.0)  # |x| < 2**-14: multiples of 2**-24
     r = tl.where(a >= 0x38800000, normal, sub)
     r = tl.where(a > 0x7F800000, 0x7E00, r)

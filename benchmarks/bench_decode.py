@@ -1,0 +1,236 @@
+"""Decode GEMM benchmark on the GPU: escha vs bf16 cuBLAS, ablations, config sweep, SASS census.
+
+    python benchmarks/bench_decode.py --out DIR [--sweep] [--rounds 5]
+
+Method: weights rotated over enough distinct buffers that the working set is >= 4x L2; each arm
+is a CUDA graph that calls the kernel once per buffer; a round times `REPLAYS` replays with device
+events; rounds interleave the arms; the reported time is the median over rounds, per call. The
+gate (vs an fp32 reference) runs for every (shape, M) immediately before its timing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, replace
+
+import torch
+
+from escha.format import QuantizedWeight, dequantize, random_qweight
+from escha.kernels import Ablation, CodecPath, decode_config, decode_matmul
+from escha.kernels.decode import decode_kernel_handle
+
+SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
+MS = (1, 8, 40, 64)
+REPLAYS = 10
+# Integer-pipe ops counted toward the codec's issue floor (64/clk/SM on Hopper).
+INT_OPS = ("IMAD", "IADD3", "VIADD", "SHF", "LOP3", "PRMT", "LEA", "SEL", "ISETP", "IMNMX", "SHL", "SHR", "IABS")
+TOL_BF16 = 2 * (2.0**-8 + 2.0**-11)
+
+
+def env_info() -> dict:
+    import triton
+    p = torch.cuda.get_device_properties(0)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "uncommitted"
+    except OSError:
+        sha = "uncommitted"
+    try:
+        clk = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        clk = ""
+    return {"gpu": p.name, "sms": p.multi_processor_count, "l2_bytes": p.L2_cache_size, "torch": torch.__version__,
+            "triton": triton.__version__, "python": sys.version.split()[0], "git": sha or "uncommitted",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "clocks_mhz": clk}
+
+
+def weight_set(out_f: int, in_f: int, min_bytes: float, seed: int = 0) -> list[QuantizedWeight]:
+    """Distinct random weights on the GPU whose trellis words total >= min_bytes."""
+    base = random_qweight(out_f, in_f, bits=2, seed=seed, device="cuda")
+    nbytes = base.trellis.numel() * 4
+    n = max(2, -(-int(min_bytes) // nbytes))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ws = [base]
+    for _ in range(n - 1):
+        tr = torch.randint(-2**31, 2**31, base.trellis.shape, generator=g, device="cuda", dtype=torch.int64).to(torch.int32)
+        ws.append(QuantizedWeight(tr, base.su, base.sv, base.scale, base.gscale, base.shape, 2))
+    return ws
+
+
+def graph_of(fn, items) -> torch.cuda.CUDAGraph:
+    """A CUDA graph that calls fn(item) once per item (after a warm-up outside capture)."""
+    for it in items[:2]:
+        fn(it)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(items[0])
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for it in items:
+            fn(it)
+    return g
+
+
+def time_graph(g: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Microseconds per call over REPLAYS replays of a graph holding `calls` calls."""
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(REPLAYS):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1000.0 / (REPLAYS * calls)
+
+
+def interleaved(arms: dict, rounds: int) -> dict:
+    """arms: name -> (graph, calls). Median over rounds of per-call microseconds."""
+    res = {k: [] for k in arms}
+    for _ in range(rounds):
+        for k, (g, c) in arms.items():
+            res[k].append(time_graph(g, c))
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def gate(qw: QuantizedWeight, m: int, cfg) -> float:
+    g = torch.Generator(device="cuda").manual_seed(1000 + m)
+    x = (torch.randn(m, qw.in_features, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    y = decode_matmul(x, qw, cfg)
+    ref = x.double() @ dequantize(qw).double().T
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    if not err < TOL_BF16:
+        raise SystemExit(f"GATE FAILED: rel err {err:.3e} for {qw.shape} M={m} {cfg}")
+    return err
+
+
+def sass_census(kernel, cfg) -> dict:
+    """Opcode counts in the main loop body (the longest backward-branch region) of the SASS."""
+    return census_from_sass(kernel.asm["sass"], cfg, getattr(kernel, "n_regs", None),
+                            getattr(kernel, "n_spills", None))
+
+
+def census_from_sass(sass: str, cfg, regs=None, spills=None) -> dict:
+    """Opcode counts of the loop body: the longest region closed by a backward branch.
+
+    Understands both disassembly styles: labels ``LBB0:`` with ``ctrl<TAB>OP ...;`` lines (the
+    Triton handle's ``asm['sass']``) and ``/*addr*/ OP ...;`` lines with ``.L_x_N:`` labels.
+    """
+    instrs, labels = [], {}
+    for ln in sass.splitlines():
+        lm = re.match(r"^\s*(\.?L\w+):\s*$", ln)
+        if lm:
+            labels[lm.group(1)] = len(instrs)
+            continue
+        im = re.match(r"^\s*(?:/\*[0-9a-f]+\*/|[-\w]+:[-\w]+:[-\w]+:[-\w]+:\w+)\s+(.*?)\s*;", ln)
+        if im:
+            instrs.append(im.group(1))
+    best = (0, 0)
+    for i, ins in enumerate(instrs):
+        bm = re.search(r"BRA\s+`?\(?(\.?L\w+)", ins)
+        if bm and bm.group(1) in labels and labels[bm.group(1)] <= i:
+            start = labels[bm.group(1)]
+            if i - start > best[1] - best[0]:
+                best = (start, i)
+    body = instrs[best[0]:best[1] + 1]
+    counts: dict[str, int] = {}
+    for ins in body:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+        counts[op] = counts.get(op, 0) + 1
+    weights_per_iter = cfg.block_n * cfg.block_kt * 16
+    lanes = 32 * cfg.num_warps
+    int_ops = sum(counts.get(k, 0) for k in INT_OPS)
+    return {"body_instructions": len(body), "counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+            "int_ops": int_ops, "int_ops_per_weight": int_ops * lanes / weights_per_iter,
+            "all_ops_per_weight": len(body) * lanes / weights_per_iter,
+            "registers": regs, "spills": spills}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also time config variants at M=8 and M=64")
+    ap.add_argument("--ablate", action="store_true", help="also time codec-only / loads-only variants")
+    ap.add_argument("--final", action="store_true", help="also time the runners-up of the sweep")
+    args = ap.parse_args()
+    info = env_info()
+    l2 = info["l2_bytes"]
+    clock_ghz = float(info["clocks_mhz"].split(",")[-1]) / 1000 if info["clocks_mhz"] else 1.98
+    sms = info["sms"]
+    print(json.dumps(info))
+    rows, census = [], {}
+    for name, (n, k) in SHAPES.items():
+        qws = weight_set(n, k, 4 * l2)
+        dense_n = max(2, -(-4 * l2 // (n * k * 2)))
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(dense_n)]
+        for m in MS:
+            x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
+            base = decode_config(qws[0], m)
+            variants = {"escha": base}
+            if args.ablate:
+                variants["codec_only"] = replace(base, ablation=Ablation.CODEC_ONLY)
+                variants["loads_only"] = replace(base, ablation=Ablation.LOADS_ONLY)
+                variants["triton_codec"] = replace(base, codec=CodecPath.TRITON)
+            if args.final:
+                variants["bn128_w8_s1"] = replace(base, block_n=128, num_warps=8, num_stages=1,
+                                                  fuse_output=base.split == 1)
+                variants["bn64_s2"] = replace(base, num_stages=2)
+            if args.sweep and m in (8, 64):
+                for nw in (4, 8):
+                    for bkt in (4, 8):
+                        for st in (1, 2):
+                            key = f"w{nw}_kt{bkt}_s{st}"
+                            variants[key] = replace(base, num_warps=nw, block_kt=bkt, num_stages=st)
+                variants["bn64"] = replace(base, block_n=64, fuse_output=False)
+                variants["split_x2"] = replace(base, split=base.split * 2, fuse_output=False)
+                if base.split > 1:
+                    variants["split_half"] = replace(base, split=base.split // 2, fuse_output=base.split // 2 == 1)
+                variants["unfused_out"] = replace(base, fuse_output=False)
+            err = gate(qws[0], m, base)
+            arms = {}
+            for key, cfg in variants.items():
+                try:
+                    arms[key] = (graph_of(lambda q, c=cfg: decode_matmul(x, q, c), qws), len(qws))
+                except Exception as e:  # a variant that fails to compile is reported, not fatal
+                    print(f"variant {key} failed: {type(e).__name__}: {str(e)[:200]}")
+            arms["cublas_bf16"] = (graph_of(lambda w: torch.matmul(x, w.t()), dense), len(dense))
+            t = interleaved(arms, args.rounds)
+            for key, us in t.items():
+                rows.append({"shape": name, "N": n, "K": k, "M": m, "arm": key, "us": us,
+                             "config": {a: str(b) for a, b in asdict(variants[key]).items()} if key in variants else None})
+            kern = decode_kernel_handle(x, qws[0], base)
+            c = sass_census(kern, base)
+            if m == 8:
+                with open(f"{args.out}/decode_{name}_M8.sass", "w") as f:
+                    f.write(kern.asm["sass"])
+            floor_us = n * k * c["int_ops_per_weight"] / (64 * sms * clock_ghz * 1e3)
+            c["floor_us"] = floor_us
+            c["share_of_floor"] = floor_us / t["escha"]
+            census[f"{name}_M{m}"] = c
+            print(f"{name:8s} M={m:2d} gate={err:.2e} escha={t['escha']:7.1f} cublas={t['cublas_bf16']:6.1f} "
+                  f"ratio={t['escha'] / t['cublas_bf16']:.3f} split={base.split} int/w={c['int_ops_per_weight']:.2f} "
+                  f"floor={floor_us:.1f} share={c['share_of_floor']:.2f} regs={c['registers']} "
+                  + " ".join(f"{kk}={v:.1f}" for kk, v in t.items() if kk not in ("escha", "cublas_bf16")), flush=True)
+        del qws, dense
+        torch.cuda.empty_cache()
+    with open(f"{args.out}/decode_h200.json", "w") as f:
+        json.dump({"env": info, "rows": rows, "census": census}, f, indent=1)
+    print("\n| shape | M | escha us | cuBLAS bf16 us | ratio | share of int floor |")
+    print("|---|---|---|---|---|---|")
+    for name in SHAPES:
+        for m in MS:
+            e = next(r["us"] for r in rows if r["shape"] == name and r["M"] == m and r["arm"] == "escha")
+            cb = next(r["us"] for r in rows if r["shape"] == name and r["M"] == m and r["arm"] == "cublas_bf16")
+            print(f"| {name} | {m} | {e:.1f} | {cb:.1f} | {e / cb:.3f} | {census[f'{name}_M{m}']['share_of_floor']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

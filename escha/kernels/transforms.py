@@ -1,0 +1,139 @@
+"""Incoherence transforms as Triton kernels: the activation side and the output side of a GEMM.
+
+The GEMM runs in the transform domain:  y = crop( (Hn z) * g*c*su ),  z = x' T^T,
+x' = Hk (sv * pad(x))  (escha.format.codec). Both Hadamards are block-diagonal with 128-blocks and
+entries +-1/sqrt(128); the kernels multiply by the exact +-1 matrix on the tensor cores and apply
+1/sqrt(128) once in fp32.
+
+Activation scaling. The GEMM's operands are fp16 (T is exactly fp16, so the weight side costs no
+rounding at all). To keep x' inside fp16's range for any bf16/fp32 input, each token row is
+multiplied by a power of two 2**e chosen from the row's max |x| so that |x' * 2**e| <= 2**15
+(|x'| <= sqrt(128) * max|x|), and the output kernel multiplies by 2**-e. Powers of two are exact,
+so the only cost is fp16's own rounding of x' (unit roundoff 2**-11).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..format.qweight import QuantizedWeight
+from ..format.spec import HAD_BLOCK
+from .codec import round_to
+
+INV_SQRT_BLOCK = 0.08838834764831845  # 1/sqrt(128)
+
+
+@triton.jit
+def hadamard_pm1(BLOCK: tl.constexpr):
+    """The +-1 Sylvester matrix [BLOCK, BLOCK] (fp32): (-1)**popcount(i & j), built in registers."""
+    i = tl.arange(0, BLOCK)[:, None]
+    j = tl.arange(0, BLOCK)[None, :]
+    v = i & j
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+
+
+@triton.jit
+def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
+    """g*c*su for output channels n, in fp32, multiplied in escha.format.row_scale's order."""
+    g = tl.load(g_ptr)
+    c = tl.load(rs_c_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    su = tl.load(su_ptr + n, mask=mask, other=0).to(tl.float32)
+    return g * c * su
+
+
+@triton.jit
+def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
+                            CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr):
+    """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16."""
+    m = tl.program_id(0)
+    pc = tl.program_id(1)
+    row = x_ptr + m.to(tl.int64) * stride_xm
+    # Pass 1: the row's max |x| (every program of the row computes the same value).
+    amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
+    # Trip counts are constexpr throughout these kernels: a loop bound read from a runtime
+    # argument is not supported by the CPU interpreter with numpy >= 2.4.
+    for i in range(AMAX_STEPS):
+        k = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)))
+    a = tl.max(amax, axis=0)
+    # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
+    q = 32768.0 / (a * 11.313708498984761)
+    e = ((q.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    e = tl.minimum(tl.maximum(e, -64), 64)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    if pc == 0:
+        tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
+    # Pass 2: CH Hadamard blocks as the rows of one [CH, 128] @ [128, 128] product.
+    b = pc * CH + tl.arange(0, CH)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    k = b * 128 + j
+    xs = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
+    xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
+    h = tl.dot(xs, hadamard_pm1(128), input_precision="tf32x3")
+    h = (h * 0.08838834764831845) * scale
+    tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float16), mask=k < Kp)
+
+
+def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | None = None,
+                   inv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
+
+    x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
+    two (module docstring). ``out``/``inv_scale`` may be preallocated workspaces.
+    """
+    if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
+        raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
+    m = x2d.shape[0]
+    kp = qw.padded_shape[1]
+    if out is None:
+        out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
+    if inv_scale is None:
+        inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
+    ch = 16
+    grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
+    _input_transform_kernel[grid](x2d, qw.sv, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),
+                                  CH=ch, AMAX_BLOCK=1024,
+                                  AMAX_STEPS=triton.cdiv(qw.in_features, 1024), num_warps=4)
+    return out, inv_scale
+
+
+@triton.jit
+def _output_transform_kernel(z_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_out, Np, stride_ym,
+                             SPLIT: tl.constexpr, BM: tl.constexpr):
+    """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
+
+    The split partials are summed in the fixed order s = 0, 1, ..., SPLIT-1, so the result is
+    bitwise reproducible.
+    """
+    nb = tl.program_id(0)
+    mb = tl.program_id(1)
+    m = mb * BM + tl.arange(0, BM)[:, None]
+    n = nb * 128 + tl.arange(0, 128)[None, :]
+    mmask = m < M
+    z = tl.zeros([BM, 128], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask, other=0.0)
+    h = tl.dot(z, hadamard_pm1(128), input_precision="tf32x3") * 0.08838834764831845
+    rs = row_scale_block(c_ptr, su_ptr, g_ptr, n, n < N_out)
+    inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
+    y = h * rs * inv
+    tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
+
+
+def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Sum split partials z [SPLIT, M, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
+
+    ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride.
+    """
+    split, m, np_ = z.shape
+    if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
+        raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
+    bm = 16
+    grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
+    _output_transform_kernel[grid](z, out, qw.scale, qw.su, qw.gscale, inv_scale, m, qw.out_features, np_,
+                                   out.stride(0), SPLIT=split, BM=bm, num_warps=4)
+    return out

@@ -1,0 +1,119 @@
+"""Decode GEMM: every M in 1..64, layouts, poisoned outputs, tolerances, split-K determinism."""
+import os
+from dataclasses import replace
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of a Triton kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from escha.format import dequantize, random_qweight  # noqa: E402
+from escha.kernels import Ablation, CodecPath, DecodeConfig, decode_config, decode_matmul, decode_split_k  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Relative Frobenius-error tolerance by output dtype (docs/KERNELS.md "Tolerance table"):
+# 2 * (u_out + u_fp16): one rounding of the output (unit roundoff u_out), one rounding of x' to
+# the fp16 operand (2**-11); T is exact in fp16 and fp32 accumulation adds < 1e-5 at these K.
+U = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+TOL = {dt: 2 * (u + 2.0**-11) for dt, u in U.items()}
+
+
+def _check(y, x, qw):
+    ref = x.reshape(-1, x.shape[-1]).double() @ dequantize(qw).double().T
+    yf = y.reshape(-1, qw.out_features).double()
+    assert not torch.isnan(yf).any(), "an output element was not written"
+    err = ((yf - ref).norm() / ref.norm()).item()
+    assert err < TOL[y.dtype], f"relative error {err:.3e} >= {TOL[y.dtype]:.3e}"
+    return err
+
+
+def _x(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).to(dtype).to(DEV)
+
+
+@pytest.fixture(scope="module")
+def small_qw():
+    return random_qweight(120, 100, bits=2, seed=7, device=DEV)  # pads to 128 x 128
+
+
+@pytest.mark.parametrize("m", list(range(1, 65)))
+def test_every_m(small_qw, m):
+    dtype = (torch.bfloat16, torch.float16, torch.float32)[m % 3]
+    x = _x((m, 100), dtype, seed=m)
+    out = torch.full((m, 120), float("nan"), dtype=dtype, device=DEV)  # poisoned
+    y = decode_matmul(x, small_qw, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    _check(y, x, small_qw)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4])
+def test_other_bits(bits):
+    qw = random_qweight(70, 150, bits=bits, seed=bits, device=DEV)
+    x = _x((5, 150), torch.bfloat16, seed=bits)
+    _check(decode_matmul(x, qw), x, qw)
+
+
+def test_noncontiguous_and_3d(small_qw):
+    base = _x((3, 200, 4), torch.bfloat16, seed=21)
+    x = base[:, :100, 1]  # strided rows and columns
+    assert not x.is_contiguous()
+    _check(decode_matmul(x, small_qw), x, small_qw)
+    x3 = _x((2, 5, 100), torch.float16, seed=22)
+    y3 = decode_matmul(x3, small_qw)
+    assert y3.shape == (2, 5, 120)
+    _check(y3, x3, small_qw)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_deterministic(split):
+    qw = random_qweight(64, 512, bits=2, seed=split, device=DEV)  # 4 k-blocks of 128
+    x = _x((9, 512), torch.bfloat16, seed=40 + split)
+    cfg = replace(decode_config(qw, 9), split=split, fuse_output=False)
+    a = decode_matmul(x, qw, cfg)
+    b = decode_matmul(x, qw, cfg)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # bitwise reproducible
+    one = decode_matmul(x, qw, replace(cfg, split=1, fuse_output=True))
+    assert ((a.float() - one.float()).norm() / one.float().norm()).item() < TOL[torch.bfloat16]
+    _check(a, x, qw)
+
+
+def test_config_rule_and_override(small_qw):
+    cfg = decode_config(small_qw, 20)
+    assert cfg.block_m == 32 and cfg.ablation == Ablation.NONE
+    assert cfg.split == decode_split_k(1, 128 // 16)
+    if DEV == "cpu":
+        assert cfg.codec == CodecPath.TRITON
+    custom = DecodeConfig(block_n=64, block_kt=4, block_m=64, split=2, num_warps=4, num_stages=1,
+                          codec=cfg.codec, fuse_output=False)
+    x = _x((20, 100), torch.bfloat16, seed=3)
+    _check(decode_matmul(x, small_qw, custom), x, small_qw)
+    with pytest.raises(ValueError):
+        decode_matmul(x, small_qw, replace(custom, block_m=16))  # block_m < M
+    with pytest.raises(ValueError):
+        decode_config(small_qw, 65)
+
+
+def test_split_rule_shape():
+    assert decode_split_k(1, 10_000) >= 2  # a lone block splits its k-work
+    assert decode_split_k(10_000, 10_000) == 1  # a full grid does not
+    for nblk in (40, 68, 136, 272):
+        for kt in (272, 320, 544, 1088):
+            s = decode_split_k(nblk, kt)
+            assert s & (s - 1) == 0 and 1 <= s <= 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(17408, 5120), (5120, 8704)])
+@pytest.mark.parametrize("m", [1, 8, 40, 64])
+def test_benchmark_shapes_gpu(shape, m):
+    qw = random_qweight(*shape, bits=2, seed=m, device="cuda")
+    x = _x((m, shape[1]), torch.bfloat16, seed=m)
+    y = decode_matmul(x, qw)
+    _check(y, x, qw)
+    y2 = decode_matmul(x, qw, replace(decode_config(qw, m), codec=CodecPath.TRITON))
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16))  # PTX and Triton codecs agree bitwise
