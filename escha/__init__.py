@@ -4,9 +4,10 @@ Public API: QuantizedWeight, quantize, dequantize, matmul, save_file, load_file,
 """
 from .format import FormatError, QuantizedWeight, codebooks, dequantize, random_qweight
 from .io import load_file, save_file
-from .ops import matmul
+from .ops import DispatchRule, Path, Precision, available_paths, matmul
 from .quant import quantize
 
 __version__ = "0.1.0"
 __all__ = ["QuantizedWeight", "FormatError", "codebooks", "quantize", "dequantize", "matmul",
-           "save_file", "load_file", "random_qweight", "__version__"]
+           "save_file", "load_file", "random_qweight", "Path", "Precision", "DispatchRule",
+           "available_paths", "__version__"]

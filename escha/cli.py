@@ -19,6 +19,20 @@ def _add_subcommands(sub: argparse._SubParsersAction) -> None:
             mod.add_parser(sub)
 
 
+def _interpret_without_gpu() -> None:
+    """Run Triton kernels in Triton's CPU interpreter when there is no GPU.
+
+    Triton reads TRITON_INTERPRET when it is first imported, so this must run before anything
+    imports it (building the parser does). Only the demo asks for it: it exists to show the
+    kernels at work anywhere; model quantization on a CPU is faster on the reference path.
+    """
+    import os
+
+    import torch
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every available subcommand."""
     parser = argparse.ArgumentParser(prog="escha", description="Escha W2: 2-bit trellis-coded LLM weights")
@@ -32,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``escha`` script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        _interpret_without_gpu()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -18,6 +18,7 @@ def run(args: argparse.Namespace) -> int:
     """Quantize, report relative MSE against D(R), then run escha.matmul and gate it on the reference."""
     import escha
     from escha.format import matmul_reference
+    from escha.ops import resolve_path
 
     w = sample_matrix(args.out_features, args.in_features, args.seed)
     t0 = time.perf_counter()
@@ -31,14 +32,17 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     qd = qw.to(device)
     x = torch.randn(args.m, args.in_features, generator=torch.Generator().manual_seed(args.seed + 1))
-    x = x.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    x = x.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float16)
+    path = resolve_path(args.m, x.device, qd.codebook_id)
     y = escha.matmul(x, qd)
     ref = matmul_reference(x.float(), qd)
     rel = float((y.float() - ref).norm() / ref.norm())
-    tol = 2e-2 if x.dtype == torch.bfloat16 else 1e-5
+    # fp8 operands (prefill paths) carry ~2**-4 relative rounding, bf16 2**-8, fp16 2**-11;
+    # errors average down over the K-long dot products, so these bounds hold with margin.
+    tol = 6e-2 if path.value in ("prefill", "dequant-fp8") else 2e-2 if x.dtype == torch.bfloat16 else 5e-3
     ok = bool(torch.isfinite(y).all()) and rel <= tol
-    print(f"escha.matmul on {device} ({x.dtype}, M={args.m}): relative error {rel:.2e} vs reference, "
-          f"tolerance {tol:.0e}: {'PASS' if ok else 'FAIL'}")
+    print(f"escha.matmul on {device} ({x.dtype}, M={args.m}, path {path.value}): relative error "
+          f"{rel:.2e} vs reference, tolerance {tol:.0e}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 

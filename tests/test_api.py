@@ -34,7 +34,8 @@ def test_matmul_matches_dense(dtype):
     y = escha.matmul(x, qw)
     assert y.shape == (2, 3, 70) and y.dtype == dtype
     ref = x.float() @ escha.dequantize(qw).T
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    # Kernel paths round operands to fp16 (fp32 x too) or bf16; see docs/KERNELS.md for the table.
+    tol = {torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert float((y.float() - ref).norm() / ref.norm()) < tol
 
 

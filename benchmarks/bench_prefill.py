@@ -1,0 +1,220 @@
+"""Prefill benchmark on one GPU: escha's prefill paths against fp8 and bf16 cuBLAS, same process.
+
+Method: each arm is captured as a CUDA graph of calls that rotate over enough weight buffers to make
+the working set >= 4x L2 (escha's 2-bit weights need ~11-22 buffers, the fp8/bf16 baselines 2-3);
+graphs are replayed in interleaved rounds (>= 5, the arm order rotated each round) and timed with
+CUDA events; a row is the median per-call time. Activations are fresh random bf16 (never zeros);
+the fp8 baselines get pre-quantized activations (their quantization is not timed), escha's arms
+include their own activation transform and quantization.
+
+Usage: python benchmarks/bench_prefill.py [--out DIR] [--ms 512,2048,8192] [--rounds 5]
+Writes prefill.json (every sample) and prefill.md (tables) under --out; prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from escha.format import dequantize, random_qweight  # noqa: E402
+from escha.format.qweight import QuantizedWeight  # noqa: E402
+from escha.kernels import prefill as prefill_mod  # noqa: E402
+from escha.kernels.actquant import actquant  # noqa: E402
+from escha.kernels.dequant_once import dequant_hn, dequant_once_matmul  # noqa: E402
+from escha.kernels.prefill import PrefillConfig, prefill_matmul_q  # noqa: E402
+
+SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
+L2_FACTOR = 4
+PREFILL_CONFIGS = {
+    "prefill-bm128w8": PrefillConfig(128, 8, 1),
+    "prefill-bm256w8": PrefillConfig(256, 8, 1),
+}
+
+
+@dataclass
+class Row:
+    shape: str
+    m: int
+    arm: str
+    us: float
+    low: float
+    high: float
+    samples: list = field(default_factory=list)
+
+
+def nbuf_for(bytes_per_buf: float, l2: int) -> int:
+    return max(1, math.ceil(L2_FACTOR * l2 / bytes_per_buf))
+
+
+def random_weights(n: int, k: int, count: int, dev: str) -> list[QuantizedWeight]:
+    """``count`` weights with independent random trellis words (signs/scales shared: tiny)."""
+    base = random_qweight(n, k, 2, seed=0, device=dev)
+    out = [base]
+    for i in range(1, count):
+        tr = torch.randint(-2**31, 2**31 - 1, base.trellis.shape, device=dev, dtype=torch.int32)
+        out.append(QuantizedWeight(tr, base.su, base.sv, base.scale, base.gscale, base.shape, 2))
+    return out
+
+
+def graph_of(fn, n_calls: int):
+    """Warm fn up, then capture n_calls of fn(i) in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(n_calls, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_calls):
+            fn(i)
+    torch.cuda.synchronize()
+    return g
+
+
+def time_graph(g, n_calls: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / n_calls
+
+
+def kernel_report() -> dict:
+    """Registers, spills and whether the fused kernel's PTX/SASS holds fp8 wgmma (QGMMA)."""
+    rep = {}
+    caches = getattr(prefill_mod.prefill_kernel, "device_caches", {})
+    for dev_cache in caches.values():
+        for key, ck in dev_cache[0].items():
+            info = {"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None)}
+            try:
+                ptx = ck.asm["ptx"]
+                info["ptx_wgmma_e4m3"] = ptx.count("wgmma.mma_async") and ("e4m3" in ptx)
+                info["ptx_wgmma_count"] = ptx.count("wgmma.mma_async")
+            except Exception as e:  # noqa: BLE001
+                info["ptx"] = repr(e)
+            try:
+                sass = ck.asm["sass"]
+                info["sass_QGMMA"] = sass.count("QGMMA")
+                info["sass_HGMMA"] = sass.count("HGMMA")
+                info["sass_LDL_STL"] = sass.count("LDL") + sass.count("STL")
+            except Exception as e:  # noqa: BLE001
+                info["sass"] = repr(e)[:200]
+            rep[str(key)[:160]] = info
+    return rep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--ms", default="512,2048,8192")
+    ap.add_argument("--shapes", default="gate_up,down")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--configs", default=",".join(PREFILL_CONFIGS))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = "cuda"
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    print(f"{props.name} SMs={props.multi_processor_count} L2={l2 >> 20}MB torch={torch.__version__}",
+          flush=True)
+    rows: list[Row] = []
+    accuracy: dict = {}
+    configs = [c for c in args.configs.split(",") if c]
+    t_start = time.time()
+    for shape in args.shapes.split(","):
+        n, k = SHAPES[shape]
+        qw_bytes = n * k / 4 + 3 * n + k  # 2-bit trellis + signs/scales
+        nq = nbuf_for(qw_bytes, l2)
+        qws = random_weights(n, k, nq, dev)
+        n8 = nbuf_for(n * k, l2)
+        w8 = [torch.randn(n, k, device=dev).div_(8).to(torch.float8_e4m3fn) for _ in range(n8)]
+        sb = torch.rand(1, n, device=dev) + 0.5
+        n16 = nbuf_for(2 * n * k, l2)
+        w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(n16)]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            xq8 = (x.float() / (x.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
+            sa = torch.rand(m, 1, device=dev) + 0.5
+            one = torch.ones((), device=dev)
+            arms = {
+                "cublas-fp8-rowwise": (lambda i: torch._scaled_mm(xq8, w8[i % n8].t(), scale_a=sa, scale_b=sb,
+                                                                  out_dtype=torch.bfloat16), n8),
+                "cublas-bf16": (lambda i: x @ w16[i % n16].t(), n16),
+                "escha-dequant-fp8": (lambda i: dequant_once_matmul(
+                    x, qws[i % nq].trellis, qws[i % nq].su, qws[i % nq].sv, qws[i % nq].scale,
+                    qws[i % nq].gscale, n, 2, fp8=True), nq),
+                "escha-dequant-bf16": (lambda i: dequant_once_matmul(
+                    x, qws[i % nq].trellis, qws[i % nq].su, qws[i % nq].sv, qws[i % nq].scale,
+                    qws[i % nq].gscale, n, 2, fp8=False), nq),
+                "part-actquant": (lambda i: actquant(x, qws[0].sv, fp8=True), 1),
+                "part-dequant-fp8": (lambda i: dequant_hn(qws[i % nq].trellis, qws[i % nq].su,
+                                                          qws[i % nq].scale, qws[i % nq].gscale, 2, fp8=True), nq),
+            }
+            for name in configs:
+                cfg = PREFILL_CONFIGS[name]
+                arms["escha-" + name] = (
+                    (lambda cfg: lambda i: prefill_matmul_q(
+                        *actquant(x, qws[i % nq].sv, fp8=True), qws[i % nq].trellis, qws[i % nq].su,
+                        qws[i % nq].scale, qws[i % nq].gscale, n, 2, torch.bfloat16, config=cfg))(cfg), nq)
+            # Correctness at this size before timing: every escha arm against fp32 x @ W_hat^T.
+            if m == min(int(v) for v in args.ms.split(",")):
+                ref = x.float() @ dequantize(qws[0]).T
+                for name, (fn, _) in arms.items():
+                    if name.startswith("escha-"):
+                        y = fn(0)
+                        err = float((y.float() - ref).norm() / ref.norm())
+                        accuracy[f"{shape}/M={m}/{name}"] = err
+                        print(f"  accuracy {shape} M={m} {name}: rel err {err:.3e}", flush=True)
+                        if not math.isfinite(err) or err > 0.08:
+                            print(f"  FAILED accuracy gate for {name}", flush=True)
+                del ref
+            graphs = {}
+            for name, (fn, nb) in arms.items():
+                calls = max(nb, 6)
+                try:
+                    graphs[name] = (graph_of(fn, calls), calls)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name}: capture failed: {e!r}"[:300], flush=True)
+            samples = {name: [] for name in graphs}
+            names = list(graphs)
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    g, calls = graphs[name]
+                    samples[name].append(time_graph(g, calls))
+            for name in names:
+                s = samples[name]
+                rows.append(Row(shape, m, name, statistics.median(s), min(s), max(s), s))
+            del graphs
+            torch.cuda.empty_cache()
+            base = {r.arm: r.us for r in rows if r.shape == shape and r.m == m}
+            for name in names:
+                flops = 2 * m * n * k
+                print(f"{shape:8s} M={m:5d} {name:24s} {base[name]:9.1f} us "
+                      f"{flops / base[name] / 1e6:7.1f} TF/s  x{base[name] / base['cublas-fp8-rowwise']:.3f} "
+                      f"of fp8 rowwise", flush=True)
+            print(f"  [{time.time() - t_start:.0f}s]", flush=True)
+        del qws, w8, w16
+        torch.cuda.empty_cache()
+    kr = kernel_report()
+    with open(os.path.join(args.out, "prefill.json"), "w") as f:
+        json.dump({"device": props.name, "torch": torch.__version__, "rows": [asdict(r) for r in rows],
+                   "accuracy": accuracy, "kernels": kr}, f, indent=1)
+    for key, info in kr.items():
+        print("kernel", info, flush=True)
+
+
+if __name__ == "__main__":
+    main()

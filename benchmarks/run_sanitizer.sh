@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# compute-sanitizer memcheck and racecheck over every kernel (benchmarks/sanitizer_cases.py).
+# Usage: benchmarks/run_sanitizer.sh OUT_FILE   (run on a CUDA machine from the repository root)
+set -uo pipefail
+out=${1:-sanitizer_report.txt}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  echo "# compute-sanitizer report"
+  echo "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+  echo "sanitizer: $(compute-sanitizer --version | tail -1)"
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown)  date: $(date -u +%FT%TZ)"
+} > "$out"
+status=0
+for tool in memcheck racecheck; do
+  echo "## $tool" >> "$out"
+  compute-sanitizer --tool "$tool" --print-limit 50 --error-exitcode 99 \
+      python benchmarks/sanitizer_cases.py >> "$out" 2>&1
+  rc=$?
+  echo "exit code: $rc" >> "$out"
+  [ "$rc" -eq 0 ] || status=1
+done
+exit $status

@@ -1,0 +1,59 @@
+"""Every kernel over a grid of ragged shapes, gated against the reference: the workload that
+benchmarks/run_sanitizer.sh runs under compute-sanitizer (memcheck, racecheck).
+
+Each case fills its inputs with fresh random values, runs one path, and checks the result
+against the fp32 reference, so an out-of-bounds read that happened to return plausible data
+still shows up twice: once in the sanitizer's report and once as a gate failure here.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import escha
+from escha.format import decode_trellis, random_qweight
+from escha.kernels import dequantize_core
+from escha.ops import available_paths
+
+# (out, in): ragged against the 16-wide tiles, the 128-wide Hadamard blocks and the kernels' blocks.
+SHAPES = [(1, 1), (17, 130), (200, 129), (257, 300), (130, 1000)]
+MS = [1, 7, 64, 65, 130]
+TOL = {"reference": 1e-5, "decode": 1e-2, "dequant-bf16": 2e-2, "prefill": 8e-2, "dequant-fp8": 8e-2}
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    failures = 0
+    cases = 0
+    for bits in (2, 3):
+        for i, (n, k) in enumerate(SHAPES):
+            qw = random_qweight(n, k, bits, seed=100 * bits + i, device="cuda")
+            core = decode_trellis(qw)
+            for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+                t, s = dequantize_core(qw, dtype)
+                want = core.to(dtype) if dtype != torch.float8_e4m3fn else (core.float() / s).to(dtype)
+                ok = torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+                cases += 1
+                failures += not ok
+                if not ok:
+                    print(f"FAIL dequant {dtype} K={bits} {n}x{k}")
+            dense = escha.dequantize(qw)
+            for m in MS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ dense.T
+                for path in available_paths(qw, m):
+                    y = escha.matmul(x, qw, path=path)
+                    rel = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                    ok = bool(torch.isfinite(y).all()) and rel <= TOL[str(path)]
+                    cases += 1
+                    failures += not ok
+                    if not ok:
+                        print(f"FAIL {path} K={bits} {n}x{k} M={m}: rel {rel:.3e}")
+    torch.cuda.synchronize()
+    print(f"sanitizer cases: {cases} run, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The dispatcher: rule boundaries, overrides, the custom op's fake implementation, compile and graphs."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # No GPU: run the Triton kernels in the CPU interpreter. Must precede triton's import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import escha
+from escha.format import dequantize, random_qweight
+from escha.ops import DEFAULT_RULE, DispatchRule, Path, Precision, available_paths, resolve_path
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("m,want", [(1, Path.DECODE), (64, Path.DECODE), (65, Path.DEQUANT_FP8),
+                                    (127, Path.DEQUANT_FP8), (128, Path.DEQUANT_FP8),
+                                    (8192, Path.DEQUANT_FP8)])
+def test_rule_boundaries(m, want):
+    assert DEFAULT_RULE.choose(m) == want
+    assert DEFAULT_RULE.choose(m, Precision.BF16) == Path.DEQUANT_BF16
+    assert DEFAULT_RULE.choose(m, "bf16") == Path.DEQUANT_BF16
+
+
+def test_prefill_config_boundary():
+    from escha.kernels.prefill import LARGE_M_CONFIG, SMALL_M_CONFIG, prefill_config
+    assert prefill_config(127) == SMALL_M_CONFIG and prefill_config(128) == LARGE_M_CONFIG
+
+
+@pytest.mark.parametrize("m,want", [(64, Path.DECODE), (65, Path.PREFILL), (127, Path.PREFILL),
+                                    (128, Path.DEQUANT_FP8), (129, Path.DEQUANT_FP8)])
+def test_rule_with_fused_range(m, want):
+    assert DispatchRule(decode_max_m=64, dequant_min_m=128).choose(m) == want
+
+
+def test_rule_override_is_per_call():
+    rule = DispatchRule(decode_max_m=0, dequant_min_m=100)
+    assert rule.choose(64) == Path.PREFILL and rule.choose(100) == Path.DEQUANT_FP8
+    assert DEFAULT_RULE.choose(100) == Path.DEQUANT_FP8  # the default is untouched
+    assert DispatchRule(dequant_min_m=1000).choose(100) == Path.PREFILL
+    with pytest.raises(Exception):
+        rule.decode_max_m = 5  # frozen: a rule cannot be changed behind a caller's back
+
+
+def test_resolve_path_on_device():
+    dev = torch.device(DEV)
+    # Kernels run here (CUDA, or CPU under the interpreter that this module switched on).
+    assert resolve_path(65, dev, 0) == Path.DEQUANT_FP8
+    assert resolve_path(65, dev, 0, rule=DispatchRule(dequant_min_m=128)) == Path.PREFILL
+    assert resolve_path(600, dev, 0, rule=DispatchRule(dequant_min_m=600)) == Path.DEQUANT_FP8
+    assert resolve_path(10, dev, 0, path="dequant-bf16") == Path.DEQUANT_BF16
+    assert resolve_path(10, dev, 5) == Path.REFERENCE  # a codebook the kernels do not implement
+    # No decode kernel module -> the fused kernel serves M <= 64 (correct at any M).
+    assert resolve_path(8, dev, 0) in (Path.DECODE, Path.PREFILL)
+
+
+@pytest.mark.parametrize("m", [64, 65, 127, 128, 131])
+def test_boundaries_run_and_agree(m):
+    """Ragged M on both sides of each boundary, through the automatic choice and a rule override."""
+    qw = random_qweight(130, 140, 2, seed=m, device=DEV)
+    x = torch.randn(m, 140, device=DEV, dtype=torch.bfloat16)
+    ref = x.float() @ dequantize(qw).T
+    y_auto = escha.matmul(x, qw)
+    y_dq = escha.matmul(x, qw, rule=DispatchRule(decode_max_m=0, dequant_min_m=m))
+    for y in (y_auto, y_dq):
+        assert y.shape == (m, 130) and torch.isfinite(y).all()
+        assert rel(y, ref) < 0.077
+
+
+def test_available_paths():
+    qw = random_qweight(128, 128, 2, device=DEV)
+    paths = available_paths(qw, 512)
+    assert paths[0] == Path.REFERENCE and Path.PREFILL in paths and Path.DEQUANT_BF16 in paths
+    assert Path.DECODE not in paths  # only offered for M <= 64
+    assert all(isinstance(p, str) for p in paths)  # names usable by the benchmark tool
+
+
+def test_fake_impl_shapes():
+    qw = random_qweight(130, 140, 2, device=DEV)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(torch.randn(2, 7, 140, device=DEV, dtype=torch.float16))
+        args = [mode.from_tensor(t) for t in (qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale)]
+        y = torch.ops.escha.matmul(x, *args, 130, 140, 2, 0, -1, 0, 64, 512)
+        assert y.shape == (2, 7, 130) and y.dtype == torch.float16
+
+
+def test_opcheck():
+    qw = random_qweight(130, 140, 2, device=DEV)
+    x = torch.randn(70, 140, device=DEV, dtype=torch.bfloat16)
+    for path_code in (0, 2):  # reference, prefill
+        torch.library.opcheck(torch.ops.escha.matmul.default,
+                              (x, qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale, 130, 140, 2, 0,
+                               path_code, 0, 64, 512),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_reference_on_cpu_without_interpreter():
+    """Documented behaviour: with compiled (non-interpreted) Triton on CPU, everything is reference."""
+    from escha import ops
+    if ops.kernels_enabled(torch.device("cpu")):
+        pytest.skip("this process runs Triton in interpreter mode")
+    assert ops.resolve_path(1000, torch.device("cpu"), 0) == Path.REFERENCE
+
+
+# ---------------------------------------------------------------------------- GPU only
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [300, 1024])
+def test_compile_fullgraph(m):
+    qw = random_qweight(1024, 2048, 2, seed=3, device="cuda")
+
+    def layer(x):
+        return torch.nn.functional.silu(escha.matmul(x, qw)) * 2
+
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    y = compiled(x)
+    assert rel(y, layer(x)) < 1e-2
+    ref = torch.nn.functional.silu(x.float() @ dequantize(qw).T) * 2
+    assert rel(y, ref) < 0.077
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("path", ["prefill", "dequant-fp8", "dequant-bf16", None])
+def test_cuda_graph_capture(path):
+    qw = random_qweight(1024, 2048, 2, seed=4, device="cuda")
+    x = torch.randn(600, 2048, device="cuda", dtype=torch.bfloat16)
+    eager = escha.matmul(x, qw, path=path)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        escha.matmul(x, qw, path=path)  # warm: compile kernels outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = escha.matmul(x, qw, path=path)
+    x.copy_(torch.randn_like(x))  # new inputs: the replay must use them
+    g.replay()
+    torch.cuda.synchronize()
+    ref = escha.matmul(x, qw, path=path)
+    assert rel(y, ref) < 1e-3 and rel(y, eager) > 0.1
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("path", ["prefill", "dequant-fp8", "dequant-bf16"])
+def test_gpu_paths_full_width(path):
+    """A real model width (down: 5120 x 8704) at ragged M, against fp32 x @ W_hat^T."""
+    qw = random_qweight(5120, 8704, 2, seed=5, device="cuda")
+    x = torch.randn(333, 8704, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ dequantize(qw).T
+    err = rel(escha.matmul(x, qw, path=path), ref)
+    assert err < (0.01 if path == "dequant-bf16" else 0.077), err

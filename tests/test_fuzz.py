@@ -1,0 +1,78 @@
+"""Fuzzing escha.matmul: random shapes (1-600, primes included), M (1-300), dtypes, K and paths.
+
+Every case must either match the fp32 reference within the path's tolerance or be refused with a
+clear exception (TypeError/ValueError naming the problem). CI runs a few examples; the slow
+test runs >= 1000 and writes a summary (benchmarks/results/fuzz_summary.json is such a run).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import escha
+from escha.format import random_qweight
+from escha.ops import Path, resolve_path
+
+PRIMES = [p for p in range(2, 601) if all(p % d for d in range(2, int(p ** 0.5) + 1))]
+DIM = st.one_of(st.integers(1, 600), st.sampled_from(PRIMES))
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8]
+# Relative Frobenius error allowed per path (docs/KERNELS.md, tolerance table).
+TOL = {Path.REFERENCE: 1e-5, Path.DECODE: 1e-2, Path.DEQUANT_BF16: 2e-2,
+       Path.PREFILL: 8e-2, Path.DEQUANT_FP8: 8e-2}
+
+summary: collections.Counter = collections.Counter()
+
+
+def check_case(out: int, inp: int, m: int, dtype: torch.dtype, bits: int, path: str | None,
+               seed: int) -> str:
+    """Run one case; return its outcome ('pass:<path>' or 'refused:<Exception>'), or fail."""
+    qw = random_qweight(out, inp, bits, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, inp, generator=g, dtype=torch.float64)
+    x = x.to(dtype) if dtype.is_floating_point else (x * 10).to(dtype)
+    try:
+        y = escha.matmul(x, qw, path=path)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        assert len(msg) > 15, f"unclear refusal: {msg!r}"
+        assert dtype not in (torch.float16, torch.bfloat16, torch.float32), f"valid input refused: {msg}"
+        return f"refused:{type(e).__name__}"
+    assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"{dtype} accepted"
+    assert y.shape == (m, out) and y.dtype == dtype
+    ran = resolve_path(m, x.device, qw.codebook_id, path)
+    ref = x.double() @ escha.dequantize(qw).double().T
+    rel = float((y.double() - ref).norm() / ref.norm())
+    tol = max(TOL[ran], 2e-3 if dtype == torch.float16 else 1e-2 if dtype == torch.bfloat16 else 0)
+    assert rel <= tol, f"{ran} {out}x{inp} M={m} {dtype} K={bits}: relative error {rel:.3e} > {tol}"
+    return f"pass:{ran.value}"
+
+
+CASE = dict(out=DIM, inp=DIM, m=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
+            bits=st.sampled_from([2, 3]), path=st.sampled_from([None, "reference", "prefill", "dequant-fp8",
+                                                                "dequant-bf16"]),
+            seed=st.integers(0, 2**20))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**CASE)
+def test_fuzz_matmul(out, inp, m, dtype, bits, path, seed):
+    # CI keeps the interpreter's cost down: small M for the kernel paths.
+    check_case(out, inp, min(m, 24), dtype, bits, path, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**CASE)
+def test_fuzz_matmul_long(out, inp, m, dtype, bits, path, seed):
+    summary[check_case(out, inp, m, dtype, bits, path, seed)] += 1
+    summary["cases"] += 1
+    target = os.environ.get("ESCHA_FUZZ_SUMMARY")
+    if target:
+        with open(target, "w") as f:
+            json.dump({"device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
+                       "torch": torch.__version__, "outcomes": dict(sorted(summary.items()))}, f, indent=1)
