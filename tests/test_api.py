@@ -46,12 +46,17 @@ def test_transform_domain_reference_equals_dense():
     torch.testing.assert_close(matmul_reference(x, qw), dense, rtol=1e-4, atol=1e-5)
 
 
-def test_matmul_propagates_nan_like_torch():
+@pytest.mark.parametrize("path", [None, "reference", "decode", "prefill", "dequant-fp8", "dequant-bf16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_matmul_propagates_nan_like_torch(path, bad):
+    """A non-finite activation poisons its own row of y (all of it, as torch.matmul does), only it."""
     qw = random_qweight(32, 40, seed=1)
-    x = torch.randn(3, 40)
-    x[1, 7] = float("nan")
-    y = escha.matmul(x, qw)
-    assert bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[[0, 2]]).all())
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    x[1, 7] = bad
+    y = escha.matmul(x, qw, path=path)
+    dense = x.float() @ escha.dequantize(qw).T
+    assert bool((~torch.isfinite(y[1])).all()) and bool((~torch.isfinite(dense[1])).all())
+    assert bool(torch.isfinite(y[[0, 2]]).all())
 
 
 def test_quantized_weight_properties():

@@ -41,7 +41,14 @@ def row_to_json(row: Row) -> dict[str, Any]:
 
 
 def git_sha(repo: Path | None = None) -> str:
-    """HEAD of the repository holding this package (with -dirty when the tree differs), or "unknown"."""
+    """HEAD of the repository holding this package (with -dirty when the tree differs), or "unknown".
+
+    ESCHA_GIT_SHA, when set, wins: a copy of the tree without its .git (a remote benchmark
+    machine) is told which commit it is.
+    """
+    import os
+    if os.environ.get("ESCHA_GIT_SHA"):
+        return os.environ["ESCHA_GIT_SHA"]
     cwd = repo or Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The H200 measurement run: every GPU check and benchmark whose results are committed under
+# benchmarks/results/. Usage (repository root, CUDA machine):
+#   ESCHA_GIT_SHA=<commit> benchmarks/run_h200.sh PHASE OUT_DIR
+# PHASE "kernels": GPU tests, decode and prefill benchmarks, compute-sanitizer.
+# PHASE "system":  escha bench (all arms), end-to-end decoding, the long fuzz run.
+# Each step has its own time limit, so one slow step cannot take the others' results with it.
+set -uo pipefail
+phase=${1:?phase: kernels or system}
+out=${2:?output directory}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ]; then  # optional peers (gemlite) carried as wheels
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+log="$out/steps.log"
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  local rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$log"
+}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv;
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)";
+  echo "git ${ESCHA_GIT_SHA:-unknown} date $(date -u +%FT%TZ)"; } > "$out/env.txt" 2>&1
+case "$phase" in
+  kernels)
+    step gpu_tests 200 python -m pytest -q -m gpu tests
+    step decode 200 python benchmarks/bench_decode.py --out "$out/decode" --ablate --sweep
+    step prefill 150 python benchmarks/bench_prefill.py --out "$out/prefill"
+    step sanitizer 200 benchmarks/run_sanitizer.sh "$out/sanitizer_h200.txt"
+    ;;
+  system)
+    step bench 240 python -m escha.cli bench --out "$out/bench"
+    step e2e 150 python benchmarks/bench_e2e.py --out "$out/e2e"
+    step fuzz 100 env ESCHA_FUZZ_SUMMARY="$out/fuzz_summary.json" \
+      python -m pytest -q -m slow tests/test_fuzz.py -k long
+    ;;
+esac
+tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
