@@ -28,8 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from escha.format import dequantize, random_qweight  # noqa: E402
 from escha.format.qweight import QuantizedWeight  # noqa: E402
 from escha.kernels import prefill as prefill_mod  # noqa: E402
-from escha.kernels.actquant import actquant  # noqa: E402
-from escha.kernels.dequant_once import dequant_hn, dequant_once_matmul  # noqa: E402
+from escha.kernels import actquant as actquant_mod  # noqa: E402
+from escha.kernels import dequant_once as dequant_once_mod  # noqa: E402
+from escha.kernels.actquant import ActQuantConfig, actquant  # noqa: E402
+from escha.kernels.dequant_once import DequantConfig, dequant_hn, dequant_once_matmul  # noqa: E402
 from escha.kernels.prefill import PrefillConfig, prefill_matmul_q  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
@@ -37,6 +39,20 @@ L2_FACTOR = 4
 PREFILL_CONFIGS = {
     "prefill-bm128w8": PrefillConfig(128, 8, 1),
     "prefill-bm256w8": PrefillConfig(256, 8, 1),
+}
+# Launch-shape alternatives of the two dequantize-once stages, timed as extra "part-" arms so one
+# run shows whether the defaults (first entry of each) are the best of these candidates.
+ACTQUANT_VARIANTS = {
+    "bm64w4": ActQuantConfig(),
+    "bm32w4": ActQuantConfig(block_m=32, num_warps=4),
+    "bm128w8": ActQuantConfig(block_m=128, num_warps=8),
+    "bm64w4-r1": ActQuantConfig(max_rows_per_prog=1),
+}
+DEQUANT_VARIANTS = {
+    "bk64w8s2": DequantConfig(),
+    "bk64w8s3": DequantConfig(num_stages=3),
+    "bk64w4s2": DequantConfig(num_warps=4),
+    "bk128w8s2": DequantConfig(k_per_prog=4, block_k=128),
 }
 
 
@@ -91,28 +107,44 @@ def time_graph(g, n_calls: int) -> float:
     return a.elapsed_time(b) * 1e3 / n_calls
 
 
+KERNELS = {
+    "prefill": prefill_mod.prefill_kernel,
+    "absmax": actquant_mod.absmax_kernel,
+    "quantize": actquant_mod.quantize_kernel,
+    "transform_bf16": actquant_mod.transform_bf16_kernel,
+    "dequant_hn": dequant_once_mod.dequant_hn_kernel,
+}
+
+
 def kernel_report() -> dict:
-    """Registers, spills and whether the fused kernel's PTX/SASS holds fp8 wgmma (QGMMA)."""
+    """Registers, spills, shared memory and the tensor-core instructions of every compiled kernel."""
     rep = {}
-    caches = getattr(prefill_mod.prefill_kernel, "device_caches", {})
-    for dev_cache in caches.values():
-        for key, ck in dev_cache[0].items():
-            info = {"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None)}
-            try:
-                ptx = ck.asm["ptx"]
-                info["ptx_wgmma_e4m3"] = ptx.count("wgmma.mma_async") and ("e4m3" in ptx)
-                info["ptx_wgmma_count"] = ptx.count("wgmma.mma_async")
-            except Exception as e:  # noqa: BLE001
-                info["ptx"] = repr(e)
-            try:
-                sass = ck.asm["sass"]
-                info["sass_QGMMA"] = sass.count("QGMMA")
-                info["sass_HGMMA"] = sass.count("HGMMA")
-                info["sass_LDL_STL"] = sass.count("LDL") + sass.count("STL")
-            except Exception as e:  # noqa: BLE001
-                info["sass"] = repr(e)[:200]
-            rep[str(key)[:160]] = info
+    for kname, kern in KERNELS.items():
+        caches = getattr(kern, "device_caches", {})
+        for dev_cache in caches.values():
+            for key, ck in dev_cache[0].items():
+                rep[kname + ":" + str(key)[:160]] = _kernel_info(ck)
     return rep
+
+
+def _kernel_info(ck) -> dict:
+    """One compiled kernel: registers, spills, shared memory, wgmma in PTX, QGMMA/HGMMA in SASS."""
+    info = {"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None),
+            "shared": getattr(getattr(ck, "metadata", None), "shared", None)}
+    try:
+        ptx = ck.asm["ptx"]
+        info["ptx_wgmma_e4m3"] = ptx.count("wgmma.mma_async") and ("e4m3" in ptx)
+        info["ptx_wgmma_count"] = ptx.count("wgmma.mma_async")
+    except Exception as e:  # noqa: BLE001
+        info["ptx"] = repr(e)
+    try:
+        sass = ck.asm["sass"]
+        info["sass_QGMMA"] = sass.count("QGMMA")
+        info["sass_HGMMA"] = sass.count("HGMMA")
+        info["sass_LDL_STL"] = sass.count("LDL") + sass.count("STL")
+    except Exception as e:  # noqa: BLE001
+        info["sass"] = repr(e)[:200]
+    return info
 
 
 def main() -> None:
@@ -162,6 +194,13 @@ def main() -> None:
                 "part-dequant-fp8": (lambda i: dequant_hn(qws[i % nq].trellis, qws[i % nq].su,
                                                           qws[i % nq].scale, qws[i % nq].gscale, 2, fp8=True), nq),
             }
+            for vname, acfg in list(ACTQUANT_VARIANTS.items())[1:]:
+                arms["part-actquant-" + vname] = (
+                    (lambda c: lambda i: actquant(x, qws[0].sv, fp8=True, config=c))(acfg), 1)
+            for vname, dcfg in list(DEQUANT_VARIANTS.items())[1:]:
+                arms["part-dequant-fp8-" + vname] = ((lambda c: lambda i: dequant_hn(
+                    qws[i % nq].trellis, qws[i % nq].su, qws[i % nq].scale, qws[i % nq].gscale, 2, fp8=True,
+                    config=c))(dcfg), nq)
             for name in configs:
                 cfg = PREFILL_CONFIGS[name]
                 arms["escha-" + name] = (
@@ -213,7 +252,7 @@ def main() -> None:
         json.dump({"device": props.name, "torch": torch.__version__, "rows": [asdict(r) for r in rows],
                    "accuracy": accuracy, "kernels": kr}, f, indent=1)
     for key, info in kr.items():
-        print("kernel", info, flush=True)
+        print("kernel", key.split(":")[0], info, flush=True)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,102 @@ def test_dequant_workspace_is_reused():
     p1 = w1.data_ptr()
     w2, _ = dequant_hn(qw2.trellis, qw2.su, qw2.scale, qw2.gscale, 2, fp8=True)
     assert w2.data_ptr() == p1  # no allocation per call
+
+
+# -- Kernel structure: (row blocks x k blocks) activation grid, row-broadcast dequant -------------
+
+def hadamard_pm1_torch(n: int = 128) -> torch.Tensor:
+    """The unnormalized +-1 Sylvester matrix, fp32, built independently of the kernels."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def actquant_reference(x: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch x -> (e4m3 x', scale) with the kernels' math: +-1 Hadamard per 128 block in fp32,
+    per-row absmax, inv = 448 / amax, q = e4m3(clamp(v * inv)), scale = amax * (1/sqrt(128) / 448)."""
+    m, k = x.shape
+    kp = sv.numel()
+    xp = torch.zeros(m, kp)
+    xp[:, :k] = x.float().cpu()
+    v = (xp * sv.float().cpu()).reshape(m, kp // 128, 128) @ hadamard_pm1_torch()
+    v = v.reshape(m, kp)
+    amax = v.abs().amax(1).clamp_min(1e-30)
+    inv = torch.tensor(448.0) / amax
+    q = (v * inv[:, None]).clamp(-448, 448).to(FP8_DTYPE)
+    return q, amax * torch.tensor((1 / 128 ** 0.5) / 448.0, dtype=torch.float32)
+
+
+def exact_grid_x(m: int, k: int, seed: int) -> torch.Tensor:
+    """bf16 activations on a coarse grid (multiples of 1/4 below 8): every Hadamard sum is exact
+    in fp32, so kernel and reference agree bit for bit whatever the summation order."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-32, 33, (m, k), generator=g).float() / 4).to(DEV, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,k,block_m,min_programs", [(70, 600, 64, 1024), (37, 640, 16, 1)])
+def test_actquant_equals_torch_reference(m, k, block_m, min_programs):
+    """Many k blocks (5), ragged K and M; min_programs=1 forces R = 4 row blocks per program."""
+    from escha.kernels.actquant import ActQuantConfig, row_blocks_per_prog
+    qw = random_qweight(64, k, 2, seed=5, device=DEV)
+    x = exact_grid_x(m, k, seed=m)
+    cfg = ActQuantConfig(block_m=block_m, min_programs=min_programs, max_rows_per_prog=4)
+    assert row_blocks_per_prog(m, 5, cfg) == (1 if min_programs > 1 else 4)
+    xq, sx = actquant(x, qw.sv, fp8=True, config=cfg)
+    q_ref, s_ref = actquant_reference(x, qw.sv)
+    assert xq.shape == (m, 640) and sx.shape == (m,)
+    assert torch.equal(sx.cpu(), s_ref)
+    # Under the interpreter the e4m3 rounding is the same integer arithmetic as torch's RNE; the
+    # GPU's 448/amax may differ from IEEE division in the last bit, moving a rare tie.
+    diff = (xq.cpu().float() != q_ref.float()).float().mean().item()
+    assert diff == 0.0 if DEV == "cpu" else diff < 1e-3
+
+
+def test_actquant_partials_all_written_and_deterministic():
+    """Poison the partial-max scratch with +Inf (an unwritten partial would turn its row's scale
+    NaN); two runs must agree bit for bit; R=2 and R=1 launches give identical results."""
+    from escha.kernels.actquant import ActQuantConfig, partial_amax_workspace
+    qw = random_qweight(64, 384, 2, seed=6, device=DEV)
+    x = torch.randn(50, 384, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    partial_amax_workspace(torch.device(DEV), 50, 3).fill_(float("inf"))
+    a = actquant(x, qw.sv, fp8=True, config=ActQuantConfig(block_m=16))
+    assert torch.isfinite(a[1]).all()
+    b = actquant(x, qw.sv, fp8=True, config=ActQuantConfig(block_m=16))
+    c = actquant(x, qw.sv, fp8=True, config=ActQuantConfig(block_m=16, min_programs=1, max_rows_per_prog=2))
+    for other in (b, c):
+        assert torch.equal(a[0].view(torch.uint8), other[0].view(torch.uint8))
+        assert torch.equal(a[1], other[1])
+    xb1, _ = actquant(x, qw.sv, fp8=False, config=ActQuantConfig(block_m=16))
+    xb2, _ = actquant(x, qw.sv, fp8=False, config=ActQuantConfig(block_m=16, min_programs=1))
+    assert torch.equal(xb1, xb2)
+
+
+def test_dequant_hn_exact_and_poisoned():
+    """bf16 scratch: bitwise bf16(r * Hn_pm1 T / sqrt(128)) (Hn_pm1 T is exact in fp32); fp8
+    scratch: bitwise e4m3(Hn_pm1 T / 2) wherever that is a normal e4m3 value. The scratch is
+    poisoned first (NaN bytes), so a block the kernel skips shows up. Kp = 640: 10 k blocks of 64,
+    5 per program (k_per_prog_for(10, 8))."""
+    from escha.kernels.dequant_once import DequantConfig, k_per_prog_for, workspace
+    assert k_per_prog_for(10, 8) == 5 and k_per_prog_for(80, 8) == 8 and k_per_prog_for(7, 4) == 1
+    qw = random_qweight(250, 600, 2, seed=21, device=DEV)
+    t = decode_trellis(qw).float().cpu()
+    hn = (hadamard_pm1_torch() @ t.reshape(2, 128, 640)).reshape(256, 640)
+    dev = torch.device(DEV)
+    workspace(dev, torch.bfloat16, (256, 640)).fill_(float("nan"))
+    workspace(dev, FP8_DTYPE, (256, 640)).view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+    r = (qw.scale.float() * qw.su.float() * qw.gscale.float() * (1 / 128 ** 0.5)).cpu()
+    wb, _ = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=False)
+    assert torch.equal(wb.cpu(), (hn * r[:, None]).to(torch.bfloat16))
+    w8, ws = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=True,
+                        config=DequantConfig(k_per_prog=8, block_k=64))
+    w8, ws = w8.clone(), ws.clone()  # the next call refills the same scratch
+    assert not torch.isnan(w8.float()).any()
+    want = (hn * 0.5).to(FP8_DTYPE).float()
+    normal = (hn * 0.5).abs() >= 2.0 ** -6
+    assert torch.equal(w8.cpu().float()[normal], want[normal])
+    assert float((w8.cpu().float() - want).abs().max()) <= 2.0 ** -9  # subnormals: within half their step
+    assert torch.equal(ws.cpu(), r / 0.5)
+    w8b, _ = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=True,
+                        config=DequantConfig(k_per_prog=1, block_k=128))
+    assert torch.equal(w8b.view(torch.uint8), w8.view(torch.uint8))  # same scratch, same bits

@@ -1,10 +1,11 @@
 """Activation side of every prefill path: x -> x' = Hk (sv * pad(x)), optionally quantized to fp8.
 
-One kernel does the padding, the input signs, the 128-point block Hadamard transform (as a
-tensor-core product with the exact +-1 Sylvester matrix) and, for the fp8 paths, a per-token
-absmax scale and the e4m3 cast. The fp8 variant makes two passes over the row (absmax, then
-quantize) and recomputes the transform in the second instead of keeping it: the row is read
-twice from L2 but never written in fp32.
+Each program does the padding, the input signs and the 128-point block Hadamard transform (as a
+tensor-core product with the exact +-1 Sylvester matrix) of one [BM, 128] block; the grid covers
+(row blocks) x (k blocks). The fp8 variant needs a per-token absmax over the whole row, so it
+runs two launches: pass 1 writes each block's per-row absmax to a small scratch [M, Kp/128];
+pass 2 reduces a row's partials to its scale, recomputes its block's transform (x is read twice,
+usually the second time from L2, but x' is never written in fp32) and stores e4m3.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTY
     """(sv * x)[rows, k0:k0+HB] @ H (unnormalized), fp32 [BM, HB]; columns >= K read as zero."""
     cols = k0 + tl.arange(0, HB)
     ok = row_ok[:, None] & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=ok, other=0.0)
     sv = tl.load(sv_ptr + cols).to(tl.float32)  # sv is [Kp]: always in bounds
     # Sign flips and the +-1 matrix are exact, and the cast back to x's own dtype (DOT_DTYPE on
     # the GPU) is exact too; the dot accumulates in fp32.
@@ -81,57 +82,133 @@ def _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTY
 
 
 @triton.jit
-def actquant_kernel(x_ptr, sv_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om,
-                    Kp: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr, OUT_FP8: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, NORM: tl.constexpr,
-                    ROUND_FIRST: tl.constexpr):
-    """Rows [pid*BM, +BM) of x [M, K] -> out [M, Kp] (fp8 with scale[M], or bf16), see module doc."""
-    pid = tl.program_id(0)
-    rows = pid * BM + tl.arange(0, BM)
-    row_ok = rows < M
+def absmax_kernel(x_ptr, sv_ptr, part_ptr, M, K, stride_xm, NKB: tl.constexpr, BM: tl.constexpr,
+                  R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Pass 1: part[m, kb] = max |x'[m, kb*HB : +HB]| for rows [pid_m*R*BM, +R*BM) (R blocks of
+    BM, which share one build of H) and k block pid_k.
+
+    A block holding NaN or Inf records +Inf: max() may drop NaN on the GPU, while +Inf survives
+    any order of maxima, so pass 2 can tell such rows apart from finite ones.
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
     h = hadamard_pm1(HB, DOT_DTYPE)
-    if OUT_FP8:
-        amax = tl.zeros([BM], dtype=tl.float32)
-        bad = tl.zeros([BM], dtype=tl.int32)
-        for k0 in range(0, Kp, HB):
-            v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTYPE, HB)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-            # max() may drop NaN on the GPU; count non-finite values explicitly so that a row
-            # holding NaN/Inf gets a NaN scale and its whole output row turns NaN, as it would
-            # through the reference transform.
-            bad += tl.sum(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=1)
-        amax = tl.maximum(amax, 1e-30)  # an all-zero row: any positive scale is exact
+    for i in range(R):
+        rows = (pid_m * R + i) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
+        bad = tl.sum(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=1)
+        amax = tl.where(bad > 0, float("inf"), tl.max(tl.abs(v), axis=1))
+        tl.store(part_ptr + rows * NKB + pid_k, amax, mask=row_ok)
+
+
+@triton.jit
+def quantize_kernel(x_ptr, sv_ptr, part_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om,
+                    NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
+                    HB: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, NORM: tl.constexpr,
+                    ROUND_FIRST: tl.constexpr):
+    """Pass 2: reduce the row's NKB partial maxima to its scale, recompute x'[rows, k block] and
+    store it in e4m3. Every program of a row block derives the same scale from the same partials
+    (max is exact and order-free); the k-block-0 program stores it."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    h = hadamard_pm1(HB, DOT_DTYPE)
+    j = tl.arange(0, NKB_P2)
+    cols = pid_k * HB + tl.arange(0, HB)
+    for i in range(R):
+        rows = (pid_m * R + i) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        part = tl.load(part_ptr + rows[:, None] * NKB + j[None, :],
+                       mask=row_ok[:, None] & (j[None, :] < NKB), other=0.0)
+        amax = tl.max(part, axis=1)
+        bad = amax == float("inf")
+        amax = tl.where(bad, 1.0, tl.maximum(amax, 1e-30))  # an all-zero row: any positive scale is exact
         inv = FP8_MAX_C / amax
-        scale = tl.where(bad > 0, float("nan"), amax * (NORM / FP8_MAX_C))
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        for k0 in range(0, Kp, HB):
-            v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTYPE, HB)
-            q = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX_C), FP8_MAX_C)
-            cols = k0 + tl.arange(0, HB)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], to_e4m3(q, ROUND_FIRST),
-                     mask=row_ok[:, None])
-    else:
-        for k0 in range(0, Kp, HB):
-            v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTYPE, HB)
-            cols = k0 + tl.arange(0, HB)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], to_bf16(v * NORM, ROUND_FIRST),
-                     mask=row_ok[:, None])
+        if pid_k == 0:
+            # A row with NaN/Inf gets a NaN scale, so its whole output row turns NaN, as it would
+            # through the reference transform.
+            tl.store(scale_ptr + rows, tl.where(bad, float("nan"), amax * (NORM / FP8_MAX_C)), mask=row_ok)
+        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
+        q = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX_C), FP8_MAX_C)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], to_e4m3(q, ROUND_FIRST),
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def transform_bf16_kernel(x_ptr, sv_ptr, out_ptr, M, K, stride_xm, stride_om, BM: tl.constexpr,
+                          R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM: tl.constexpr,
+                          ROUND_FIRST: tl.constexpr):
+    """bf16 path, one pass: out[rows, k block] = bf16(x' / sqrt(128)) for R row blocks and k block pid_k."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    h = hadamard_pm1(HB, DOT_DTYPE)
+    cols = pid_k * HB + tl.arange(0, HB)
+    for i in range(R):
+        rows = (pid_m * R + i) * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                 to_bf16(v * NORM, ROUND_FIRST), mask=row_ok[:, None])
 
 
 @dataclass(frozen=True)
 class ActQuantConfig:
-    """Launch shape: BM rows per program (>= 16, the smallest tensor-core M)."""
+    """Launch shape: BM rows per program (>= 16, the smallest tensor-core M); one 128-wide k
+    block per program, so the grid is ceil(M / BM) x Kp/128."""
 
-    block_m: int = 32
+    block_m: int = 64
     num_warps: int = 4
+    # Row blocks per program, R in (1, 2, 4, 8): the largest that still leaves >= min_programs
+    # programs. Each program rebuilds the [128, 128] +-1 matrix from indices (~10 integer ops
+    # per entry, 128 entries a thread at 4 warps against 64 loaded activations), so at large M
+    # sharing it over R row blocks saves that work while the grid still fills the GPU.
+    min_programs: int = 1024
+    max_rows_per_prog: int = 8
+    num_stages: int = 2  # with R > 1, the next row block's x loads overlap this block's math
+
+
+def row_blocks_per_prog(m: int, nkb: int, cfg: "ActQuantConfig") -> int:
+    """R for a call: the largest power of two <= cfg.max_rows_per_prog keeping the grid >= min_programs."""
+    r = 1
+    while (2 * r <= cfg.max_rows_per_prog
+           and triton.cdiv(m, cfg.block_m * 2 * r) * nkb >= cfg.min_programs):
+        r *= 2
+    return r
 
 
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The reusable scratch for (device, current stream, dtype, shape); allocated on first use only.
+
+    Two callers on one stream are ordered by the stream, so sharing is safe; a tensor from one
+    call is overwritten by the next call of the same key, so callers never return it.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, dtype, tuple(shape))
+    buf = _WORKSPACE.get(key)
+    if buf is None:
+        buf = torch.empty(shape, device=device, dtype=dtype)
+        _WORKSPACE[key] = buf
+    return buf
+
+
+def partial_amax_workspace(device: torch.device, m: int, nkb: int) -> torch.Tensor:
+    """fp32 scratch for the [m, nkb] partial maxima, from a workspace of a power-of-two capacity.
+
+    Rounding the capacity up keeps the cache at O(log M) buffers over any mix of token counts
+    (4 bytes per row and k block: 1.4 MB at M=8192, Kp=5120).
+    """
+    cap = 1 << max(10, (m * nkb - 1).bit_length())
+    return workspace(device, torch.float32, (cap,))[: m * nkb]
+
 
 def interpreted() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(actquant_kernel).__name__ == "InterpretedFunction"
+    return type(absmax_kernel).__name__ == "InterpretedFunction"
 
 
 def dot_dtype(dtype: torch.dtype):
@@ -163,17 +240,34 @@ def actquant(x2d: torch.Tensor, sv: torch.Tensor, fp8: bool = True,
     scale = torch.empty((m,), device=x2d.device, dtype=torch.float32) if fp8 else None
     if m == 0:
         return out, scale
-    grid = (triton.cdiv(m, cfg.block_m),)
-    # Kp is a compile-time constant: one specialization per weight width (a handful per model),
-    # and constant loop bounds, which Triton's interpreter needs under numpy 2.
-    actquant_kernel[grid](x2d, sv, out, scale if fp8 else out, m, x2d.shape[1],
-                          x2d.stride(0), out.stride(0), Kp=kp, BM=cfg.block_m, HB=HAD_BLOCK, OUT_FP8=fp8,
-                          DOT_DTYPE=dot_dtype(x2d.dtype), FP8_MAX_C=FP8_MAX, NORM=HAD_NORM,
-                          ROUND_FIRST=interpreted(), num_warps=cfg.num_warps)
+    nkb = kp // HAD_BLOCK
+    r = row_blocks_per_prog(m, nkb, cfg)
+    grid = (triton.cdiv(m, cfg.block_m * r), nkb)
+    ddt = dot_dtype(x2d.dtype)
+    if not fp8:
+        transform_bf16_kernel[grid](x2d, sv, out, m, x2d.shape[1], x2d.stride(0), out.stride(0),
+                                    BM=cfg.block_m, R=r, HB=HAD_BLOCK, DOT_DTYPE=ddt, NORM=HAD_NORM,
+                                    ROUND_FIRST=interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out, None
+    part = partial_amax_workspace(x2d.device, m, nkb)
+    # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
+    # per model) and a constant-size reduction in pass 2.
+    absmax_kernel[grid](x2d, sv, part, m, x2d.shape[1], x2d.stride(0), NKB=nkb, BM=cfg.block_m, R=r,
+                        HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    quantize_kernel[grid](x2d, sv, part, out, scale, m, x2d.shape[1], x2d.stride(0), out.stride(0),
+                          NKB=nkb, NKB_P2=triton.next_power_of_2(nkb), BM=cfg.block_m, R=r, HB=HAD_BLOCK,
+                          DOT_DTYPE=ddt, FP8_MAX_C=FP8_MAX, NORM=HAD_NORM, ROUND_FIRST=interpreted(),
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, scale
 
-# Configuration note. BM=32 keeps one program's [32, 128] fp32 block in registers at 4 warps. The
-# kernel is NOT at its memory floor: measured on the H200 it takes 92-176 us for K=5120 and
-# 161-284 us for K=8704 at M=512..8192 (benchmarks/results/prefill.md), where its bytes need
-# 5-50 us. One program per 32 rows walks all of K twice in series, so M=512 gives 16 programs on
-# 132 SMs. The next step is a grid over (rows, K blocks) with per-block absmax and a quantize pass.
+# Configuration note. The grid is (row blocks) x (128-wide k blocks): at M=512, K=5120 that is
+# 8 x 40 = 320 programs per pass (the previous one-program-per-32-rows kernel had 16 and walked
+# K twice in series, 92-176 us measured on the H200 for K=5120 against a 5-50 us byte floor).
+# fp8 takes two launches because the per-token scale needs the whole row: pass 1 writes a
+# per-(row, k block) absmax (4 bytes per 128 activations), pass 2 reduces the row's partials
+# (NKB <= 68 floats for the shapes here, from L2), recomputes the block's transform from x
+# (a second read of x, usually from L2, instead of a write and read of an fp32/bf16 copy) and
+# stores e4m3. No atomics: max over the partials is exact and order-free, so the result is
+# bitwise identical run to run. BM=64 at 4 warps holds one [64, 128] fp32 block (64 values a
+# thread); the [128, 128] +-1 matrix is rebuilt per program from indices (integer ops only).
+# New timings are to be measured (benchmarks/bench_prefill.py, arm part-actquant).

@@ -25,29 +25,28 @@ import triton
 import triton.language as tl
 
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
-from .actquant import FP8_DTYPE, actquant, hadamard_pm1, interpreted, to_bf16, to_e4m3, dot_dtype
-from .codec import state_values
-from .prefill import trellis_offsets
+from .actquant import (FP8_DTYPE, _WORKSPACE, actquant, dot_dtype, hadamard_pm1, interpreted,  # noqa: F401
+                       to_bf16, to_e4m3, workspace)
+from .codec import decode_block
 
 # |Hn_pm1 T| <= 128 * 4 = 512, so halving it keeps every value inside e4m3's 448 with no
 # saturation for any trellis bits; typical values (~sqrt(128) * rms(T)) stay far above the
 # smallest normal 2**-6. A power of two, so the scaling itself is exact.
 W_FP8_SCALE = 0.5
-DQ_BLOCK_K = 128
 HAD_NORM = 1.0 / math.sqrt(HAD_BLOCK)
 
 
 @triton.jit
 def dequant_hn_kernel(tr_ptr, su_ptr, cscale_ptr, gscale_ptr, w_ptr, wscale_ptr, stride_w,
-                      KT: tl.constexpr, KB_TOTAL: tl.constexpr, KBITS: tl.constexpr, BK: tl.constexpr, K_PER_PROG: tl.constexpr,
+                      KT: tl.constexpr, KBITS: tl.constexpr, BK: tl.constexpr, K_PER_PROG: tl.constexpr,
                       OUT_FP8: tl.constexpr, W_SCALE: tl.constexpr, NORM: tl.constexpr,
                       ROUND_FIRST: tl.constexpr, DOT_DTYPE: tl.constexpr,
                       USE_PTX: tl.constexpr):
-    """Rows [pid_n*128, +128) and k blocks [pid_k*K_PER_PROG, +K_PER_PROG) of the scratch."""
+    """Rows [pid_n*128, +128) and k blocks [pid_k*K_PER_PROG, +K_PER_PROG) of the scratch (the
+    launcher picks K_PER_PROG dividing Kp/BK, so every block is in bounds)."""
     BN: tl.constexpr = 128
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    W: tl.constexpr = 8 * KBITS
     h = hadamard_pm1(BN, DOT_DTYPE)  # built once per program, reused over K_PER_PROG blocks
     rows = pid_n * BN + tl.arange(0, BN)
     r = (tl.load(cscale_ptr + rows).to(tl.float32) * tl.load(su_ptr + rows).to(tl.float32)
@@ -55,49 +54,36 @@ def dequant_hn_kernel(tr_ptr, su_ptr, cscale_ptr, gscale_ptr, w_ptr, wscale_ptr,
     if OUT_FP8:
         if pid_k == 0:
             tl.store(wscale_ptr + rows, r / W_SCALE)
+    row_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + tl.arange(0, BK)[None, :]
     for i in range(K_PER_PROG):
-        # Constant trip count; the last program's surplus blocks are masked off (the grid rounds
-        # KB_TOTAL up to whole programs).
         kb = pid_k * K_PER_PROG + i
-        live = kb < KB_TOTAL
-        o0, o1, off = trellis_offsets(pid_n * (BN // 16), kb * (BK // 16), KT, BN, BK, KBITS)
-        t = state_values(tl.load(tr_ptr + o0, mask=live, other=0),
-                         tl.load(tr_ptr + o1, mask=live, other=0), off, USE_PTX)
-        v = tl.dot(h, t.to(DOT_DTYPE))  # fp16 operands, fp32 accumulation: exact products, one fp32 rounding
-        cols = kb * BK + tl.arange(0, BK)
-        ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :]
+        # Row-broadcast decode: each tile row's words are loaded once and expanded over its 16
+        # columns in registers (codec.decode_block), not gathered per weight.
+        t = decode_block(tr_ptr, pid_n * (BN // 16), kb * (BK // 16), KT, KBITS, BN, BK // 16, USE_PTX)
+        # fp16 operands (exact: +-1 and 3INST values), fp32 accumulation: every partial sum is a
+        # multiple of 2**-13 below 2**10, so the product is exact and independent of its order.
+        v = tl.dot(h, t.to(DOT_DTYPE))
+        ptrs = row_ptrs + kb * BK
         if OUT_FP8:
-            tl.store(ptrs, to_e4m3(v * W_SCALE, ROUND_FIRST), mask=live)
+            tl.store(ptrs, to_e4m3(v * W_SCALE, ROUND_FIRST))
         else:
-            tl.store(ptrs, to_bf16(v * r[:, None], ROUND_FIRST), mask=live)
+            tl.store(ptrs, to_bf16(v * r[:, None], ROUND_FIRST))
 
 
 @dataclass(frozen=True)
 class DequantConfig:
-    """k blocks of 128 per program (amortizes building H) and warps."""
+    """k blocks of BK per program (at most; the launcher takes the largest divisor of Kp/BK not
+    above it), warps and software-pipeline depth."""
 
-    k_per_prog: int = 4
-    num_warps: int = 4
-    # (num_stages is 1 at launch: pipelining would stage the [128, 128] int32 word gathers in
-    # shared memory, 320 KB at the default 3 stages, over the 227 KB limit.)
-
-
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
+    k_per_prog: int = 8
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
 
 
-def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The reusable scratch for (device, current stream, dtype, shape); allocated on first use only.
-
-    Two callers on one stream are ordered by the stream, so sharing is safe; a tensor from one
-    call is overwritten by the next call of the same key, so callers never return it.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, dtype, tuple(shape))
-    buf = _WORKSPACE.get(key)
-    if buf is None:
-        buf = torch.empty(shape, device=device, dtype=dtype)
-        _WORKSPACE[key] = buf
-    return buf
+def k_per_prog_for(kb_total: int, want: int) -> int:
+    """The largest divisor of kb_total that is <= want: whole programs, no masked blocks."""
+    return max(d for d in range(1, min(want, kb_total) + 1) if kb_total % d == 0)
 
 
 def workspace_bytes(np_: int, kp: int, fp8: bool = True) -> int:
@@ -121,14 +107,15 @@ def dequant_hn(trellis: torch.Tensor, su: torch.Tensor, cscale: torch.Tensor, gs
     dev = trellis.device
     w = workspace(dev, FP8_DTYPE if fp8 else torch.bfloat16, (np_, kp))
     ws = workspace(dev, torch.float32, (np_,)) if fp8 else None
-    kb_total = kp // DQ_BLOCK_K
-    grid = (np_ // HAD_BLOCK, triton.cdiv(kb_total, cfg.k_per_prog))
+    kb_total = kp // cfg.block_k
+    kpp = k_per_prog_for(kb_total, cfg.k_per_prog)
+    grid = (np_ // HAD_BLOCK, kb_total // kpp)
     dequant_hn_kernel[grid](trellis, su, cscale, gscale, w, ws if fp8 else w, w.stride(0),
-                            KT=kt, KB_TOTAL=kb_total, KBITS=bits, BK=DQ_BLOCK_K, K_PER_PROG=cfg.k_per_prog,
+                            KT=kt, KBITS=bits, BK=cfg.block_k, K_PER_PROG=kpp,
                             OUT_FP8=fp8, W_SCALE=W_FP8_SCALE, NORM=HAD_NORM, ROUND_FIRST=interpreted(),
                             USE_PTX=trellis.device.type == "cuda" and not interpreted(),
                             DOT_DTYPE=dot_dtype(torch.float16),
-                            num_warps=cfg.num_warps, num_stages=1)
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return w, ws
 
 
@@ -162,12 +149,19 @@ def dequant_once_matmul(x2d: torch.Tensor, trellis: torch.Tensor, su: torch.Tens
     return y.to(x2d.dtype).contiguous() if y.dtype != x2d.dtype or not y.is_contiguous() else y
 
 # Configuration note. The kernel decodes each weight once, adds a 128x128xBK fp16 product per
-# block (256 flops a weight) and writes one byte (fp8) or two (bf16) per weight. k_per_prog=4
-# amortizes building H in registers over 4 blocks and gives (Np/128) * (Kp/512) programs: 1360
-# for gate_up, 680 for down. num_stages=1 because pipelining stages the word gathers in shared
-# memory (over the limit). Measured on the H200: 150 us for gate_up (89 M weights), 78 us for
-# down (44.6 M), 3-5x over the 3INST codec's 27-46 us floor on this GPU; the gathered word loads
-# (two per weight) and the missing pipelining are the suspects, unmeasured separately.
+# block (256 flops a weight) and writes one byte (fp8) or two (bf16) per weight. The decode is
+# codec.decode_block's row-broadcast form: per [128, 64] block, two [128, 4] word loads (one word
+# pair per tile row) instead of the previous two [128, BK] per-weight gathers, so the pipeliner
+# can stage them (cp.async, LDGSTS in the SASS) in a few KB of shared memory; num_stages=2 is back.
+# Defaults BK=64, 8 warps, k_per_prog=8 (512 columns a program: (Np/128) * (Kp/512) programs,
+# 1360 for gate_up, 680 for down). Offline sm_90 compile facts (ptxas -v, no GPU run), fp8 store:
+#     BK=64,  8 warps, 2 stages:  90 registers, 0 spills, 52 KB smem (2 blocks/SM by registers)
+#     BK=64,  4 warps, 2 stages: 161 registers, 0 spills, 52 KB smem
+#     BK=128, 8 warps, 2 stages: 156 registers, 0 spills, 72 KB smem (1 block/SM by registers)
+#     BK=128, 8 warps, 3 stages: 160 registers, 0 spills, 80 KB smem
+# all with HGMMA.64xBKx16.F32 (fp16 wgmma) for Hn and LDGSTS for the words. The previous kernel
+# measured 150 us (gate_up) / 78 us (down) on the H200; the new one is to be measured
+# (benchmarks/bench_prefill.py times the alternatives above as part-dequant-fp8-* arms).
 # Why not dequant.py's plain-T kernel: a scratch of T leaves the output Hadamard for a separate
 # pass over [M, N] (a bf16 read and write of the whole output); folding Hn into the scratch
 # lets the library GEMM's row-wise scale carry r = g*c*su and the GEMM output is y. Its fp8
