@@ -10,6 +10,7 @@ gate (vs an fp32 reference) runs for every (shape, M) immediately before its tim
 from __future__ import annotations
 
 import argparse
+import os
 import datetime
 import json
 import re
@@ -161,6 +162,7 @@ def main() -> None:
     ap.add_argument("--ablate", action="store_true", help="also time codec-only / loads-only variants")
     ap.add_argument("--final", action="store_true", help="also time the runners-up of the sweep")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     info = env_info()
     l2 = info["l2_bytes"]
     clock_ghz = float(info["clocks_mhz"].split(",")[-1]) / 1000 if info["clocks_mhz"] else 1.98

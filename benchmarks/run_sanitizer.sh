@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over every kernel (benchmarks/sanitizer_cases.py).
 # Usage: benchmarks/run_sanitizer.sh OUT_FILE   (run on a CUDA machine from the repository root)
+# ESCHA_SANITIZER_TOOLS (default "memcheck racecheck") and ESCHA_SANITIZER_GRID=small (a reduced
+# shape grid; racecheck is slow) narrow a run.
 set -uo pipefail
 out=${1:-sanitizer_report.txt}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -12,8 +14,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown)  date: $(date -u +%FT%TZ)"
 } > "$out"
 status=0
-for tool in memcheck racecheck; do
-  echo "## $tool" >> "$out"
+for tool in ${ESCHA_SANITIZER_TOOLS:-memcheck racecheck}; do
+  echo "## $tool (grid: ${ESCHA_SANITIZER_GRID:-full})" >> "$out"
   compute-sanitizer --tool "$tool" --print-limit 50 --error-exitcode 99 \
       python benchmarks/sanitizer_cases.py >> "$out" 2>&1
   rc=$?

@@ -7,6 +7,7 @@ still shows up twice: once in the sanitizer's report and once as a gate failure 
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -19,7 +20,12 @@ from escha.ops import available_paths
 # (out, in): ragged against the 16-wide tiles, the 128-wide Hadamard blocks and the kernels' blocks.
 SHAPES = [(1, 1), (17, 130), (200, 129), (257, 300), (130, 1000)]
 MS = [1, 7, 64, 65, 130]
-TOL = {"reference": 1e-5, "decode": 1e-2, "dequant-bf16": 2e-2, "prefill": 8e-2, "dequant-fp8": 8e-2}
+# racecheck replays every shared-memory access: a smaller grid that still has ragged edges.
+if os.environ.get("ESCHA_SANITIZER_GRID") == "small":
+    SHAPES, MS = [(17, 130), (257, 300)], [7, 65]
+# Relative error bounds for bf16 outputs (docs/KERNELS.md tolerance tables): bf16 output rounding
+# (2**-9) bounds the bf16-output paths, e4m3 operand rounding the fp8 ones.
+TOL = {"reference": 1e-2, "decode": 1e-2, "dequant-bf16": 2e-2, "prefill": 8e-2, "dequant-fp8": 8e-2}
 
 
 def main() -> int:

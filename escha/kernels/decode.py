@@ -112,9 +112,9 @@ def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = Non
       kernel; fusing it (block_n = 128) measured no faster.
     * split: splitk.decode_split_k(nblk, ktiles), fitted on the H200.
     * codec: PTX on NVIDIA GPUs, pure Triton elsewhere (the interpreter).
-    * pair_columns, pair_hi_mul (K=2): the paired codec with IMAD.HI, chosen from the offline SASS
-      census (docs/KERNELS.md "Column pairs"), not yet timed; pair_columns=False is the kernel
-      measured above.
+    * pair_columns = False: the paired codec (docs/KERNELS.md "Column pairs") cuts the loop's
+      integer ops by 10% offline, but measured slower on the H200 (gate_up M=1: 68.5 us paired
+      with IMAD.HI, 66.1 us paired with shifts, 56.1 us unpaired; benchmarks/results/decode_h200_pairs.txt).
     """
     if not 1 <= m <= MAX_DECODE_M:
         raise ValueError(f"decode handles 1..{MAX_DECODE_M} tokens, got {m}")
@@ -124,7 +124,7 @@ def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = Non
     split = decode_split_k(np_ // 128, kp // TILE)  # the rule was fitted in units of 128-row blocks
     return DecodeConfig(block_n=block_n, block_kt=8, block_m=max(16, triton.next_power_of_2(m)), split=split,
                         num_warps=4, num_stages=1, codec=_default_codec(device), fuse_output=split == 1,
-                        pair_columns=True, pair_hi_mul=True)
+                        pair_columns=False, pair_hi_mul=True)
 
 
 def decode_matmul(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None = None,
