@@ -11,7 +11,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   echo "sanitizer: $(compute-sanitizer --version | tail -1)"
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown)  date: $(date -u +%FT%TZ)"
+  echo "git: ${ESCHA_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  date: $(date -u +%FT%TZ)"
 } > "$out"
 status=0
 for tool in ${ESCHA_SANITIZER_TOOLS:-memcheck racecheck}; do

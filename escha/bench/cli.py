@@ -97,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
           f"clock {info.clock_hz / 1e9:.2f} GHz, copy {info.copy_bw / 1e12:.2f} TB/s (read+write)")
     arms = [make_arm(n) for n in args.arms]
 
-    def release() -> None:
+    def release(rows: list, skips: list) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        # Points finished so far survive a run that is stopped part-way.
+        report.write_json(out / "results.partial.json", {"rows": [report.row_to_json(r) for r in rows]})
 
     rows, skips = run_benchmark(args.shapes, args.m, arms, timer=GraphTimer(replays=args.replays),
                                 rounds=args.rounds, l2_bytes=info.l2_bytes, device="cuda",
@@ -116,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:  # a schema break is a bug in this package, not in the measurement
         raise RuntimeError("results.json would not match its schema: " + "; ".join(problems))
     report.write_json(out / "results.json", doc)
+    (out / "results.partial.json").unlink(missing_ok=True)
     text = report.render_tables(rows) + "\n" + report.render_skips(skips)
     (out / "tables.md").write_text(text)
     print(text)

@@ -224,8 +224,12 @@ def measure_point(shape: Shape, M: int, arms: Sequence[Arm], *, timer: Timer, ro
 def run_benchmark(shapes: Sequence[Shape], ms: Sequence[int], arms: Sequence[Arm], *, timer: Timer,
                   rounds: int, l2_bytes: int, device: torch.device | str = "cuda", seed: int = 0,
                   info: roofline.DeviceInfo | None = None, log: Log = print,
-                  after_point: Callable[[], None] | None = None) -> tuple[list[Row], list[Skip]]:
-    """Every point in order (shape-major); all arms interleaved within each point."""
+                  after_point: Callable[[list[Row], list[Skip]], None] | None = None
+                  ) -> tuple[list[Row], list[Skip]]:
+    """Every point in order (shape-major); all arms interleaved within each point.
+
+    ``after_point(rows, skips)`` sees everything measured so far after each point.
+    """
     rows: list[Row] = []
     skips: list[Skip] = []
     for shape in shapes:
@@ -236,5 +240,5 @@ def run_benchmark(shapes: Sequence[Shape], ms: Sequence[int], arms: Sequence[Arm
             rows += r
             skips += s
             if after_point is not None:
-                after_point()
+                after_point(rows, skips)
     return rows, skips
