@@ -22,10 +22,13 @@ def run(args: argparse.Namespace) -> int:
 
     w = sample_matrix(args.out_features, args.in_features, args.seed)
     t0 = time.perf_counter()
-    qw = escha.quantize(w, bits=args.bits, seed=args.seed)
+    from escha.quant import stderr_progress
+    qw = escha.quantize(w, bits=args.bits, seed=args.seed, encoder=args.encoder,
+                        progress=stderr_progress("quantizing sample"))
     t_quant = time.perf_counter() - t0
     mse = float((escha.dequantize(qw) - w).pow(2).mean() / w.pow(2).mean())
-    print(f"sample: {list(w.shape)} i.i.d. N(0,1), K={args.bits}, {qw.bits_per_weight:.4f} bits/weight stored")
+    print(f"sample: {list(w.shape)} i.i.d. N(0,1), K={args.bits}, {args.encoder} encoder, "
+          f"{qw.bits_per_weight:.4f} bits/weight stored")
     print(f"quantized in {t_quant:.2f} s; relative MSE {mse:.4f} "
           f"(rate-distortion bound {RATE_DISTORTION[args.bits]:.4f}, ratio {mse / RATE_DISTORTION[args.bits]:.2f})")
 
@@ -55,4 +58,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--in-features", type=int, default=512)
     p.add_argument("--m", type=int, default=8, help="activation rows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--encoder", choices=("viterbi", "greedy"), default="viterbi",
+                   help="trellis encoder: exact tail-biting Viterbi (default) or the greedy baseline")
     p.set_defaults(func=run)

@@ -6,11 +6,16 @@ import escha
 from escha.format import matmul_reference, random_qweight
 
 
+# The API's shape handling is encoder-independent; the greedy encoder keeps these CPU tests fast
+# (the exact Viterbi encoder has its own tests in tests/test_viterbi.py and test_quantize.py).
+FAST = {"encoder": "greedy"}
+
+
 @pytest.mark.parametrize("shape", [(16, 32), (37, 53), (128, 256), (1, 1), (130, 7)])
 @pytest.mark.parametrize("bits", [2, 3])
 def test_quantize_dequantize_shapes(shape, bits):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
-    qw = escha.quantize(w, bits=bits)
+    qw = escha.quantize(w, bits=bits, **FAST)
     assert isinstance(qw, escha.QuantizedWeight)
     assert qw.shape == shape and qw.bits == bits and qw.codebook.name == "3inst"
     wh = escha.dequantize(qw)
@@ -21,9 +26,9 @@ def test_quantize_dequantize_shapes(shape, bits):
 
 def test_quantize_is_deterministic_and_seeded():
     w = torch.randn(64, 128)
-    a, b = escha.quantize(w, seed=3), escha.quantize(w, seed=3)
+    a, b = escha.quantize(w, seed=3, **FAST), escha.quantize(w, seed=3, **FAST)
     assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
-    c = escha.quantize(w, seed=4)
+    c = escha.quantize(w, seed=4, **FAST)
     assert not torch.equal(a.su, c.su)
 
 

@@ -1,4 +1,8 @@
-"""Quantizers: incoherence processing and trellis encoders."""
-from .quantize import check_weight, quantize
+"""Quantizers: incoherence processing, scale search, LDLQ and the tail-biting Viterbi encoder."""
+from .encode import EncodeOptions, encode_tiles, stderr_progress
+from .ldlq import proxy_loss
+from .quantize import Encoder, check_weight, quantize
+from .scale import ScaleSearch
 
-__all__ = ["quantize", "check_weight"]
+__all__ = ["quantize", "check_weight", "Encoder", "EncodeOptions", "ScaleSearch", "encode_tiles",
+           "stderr_progress", "proxy_loss"]

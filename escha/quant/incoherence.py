@@ -8,6 +8,8 @@ import torch
 from ..format.hadamard import block_hadamard
 from ..format.spec import padded
 
+C_FLOOR = 2.0**-14  # smallest normal float16
+
 
 def random_signs(n: int, generator: torch.Generator) -> torch.Tensor:
     """int8 [n] of +1/-1."""
@@ -38,9 +40,11 @@ def make_incoherent(w: torch.Tensor, seed: int) -> Incoherent:
     su, sv = random_signs(np_, g), random_signs(kp, g)
     rms = wp.pow(2).mean(1).sqrt()
     top = float(rms.max()) if rms.numel() else 0.0
-    # c is relative to the largest row (fp16 keeps it in range); zero rows take c = 1.
-    c = torch.where(rms > 0, rms / top if top > 0 else rms, torch.ones_like(rms)).to(torch.float16)
-    c = torch.where(c > 0, c, torch.ones_like(c))  # rows far below the largest may underflow fp16
+    # c is relative to the largest row, so fp16 holds it. It is floored at fp16's smallest normal:
+    # a zero (or negligible) row then gets a tiny c, and the output Hadamard's mixing of other
+    # rows' trellis error into it is scaled down by c rather than reproduced at full size.
+    rel = rms / top if top > 0 else torch.ones_like(rms)
+    c = rel.clamp_min(C_FLOOR).to(torch.float16)
     wn = wp / c.float()[:, None]
     wn = wn * su.to(wn.device).float()[:, None] * sv.to(wn.device).float()[None, :]
     target = block_hadamard(block_hadamard(wn, dim=1), dim=0)

@@ -1,0 +1,127 @@
+"""Batched tile encoder: tail-biting Viterbi over many 256-weight tiles, memory-bounded.
+
+Picks the Triton kernels on CUDA and the reference PyTorch path elsewhere, and cuts the tiles
+into batches sized from free memory (torch.cuda.mem_get_info on GPU, a fixed budget on CPU).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+import torch
+
+from ..format.spec import STATE_BITS
+from .viterbi import Trellis, viterbi, viterbi_tailbiting
+
+Progress = Callable[[int, int], None]
+
+CPU_BUDGET_BYTES = 1 << 30  # working memory for one CPU batch
+GPU_FREE_FRACTION = 0.5  # share of free device memory one batch may take
+MAX_BATCH = 16384  # beyond this a batch buys no more parallelism
+# Steps of the rotated wrap pass: survivor paths merge within a few dozen steps, so 64 steps on
+# each side of the wrap point fix the same overlap bits as the whole tile at half the cost.
+DEFAULT_WRAP_WINDOW = 128
+
+
+class Backend(str, Enum):
+    """Which Viterbi implementation runs the DP."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """Knobs of the tile encoder.
+
+    tail_biting: produce cyclic walks (the format requires them); False gives the unconstrained
+    optimum, used only to measure what the constraint costs.
+    wrap_window: steps of the rotated first pass (None: the whole tile).
+    """
+
+    tail_biting: bool = True
+    wrap_window: int | None = DEFAULT_WRAP_WINDOW
+    backend: Backend = Backend.AUTO
+    batch_tiles: int | None = None
+
+
+def _use_triton(device: torch.device, backend: Backend) -> bool:
+    if backend == Backend.TRITON:
+        return True
+    return backend == Backend.AUTO and device.type == "cuda"
+
+
+def bytes_per_tile(trellis: Trellis, n: int, triton_path: bool) -> int:
+    """Peak working memory of one tile in a batch (costs, emission buffers, backpointers)."""
+    costs = 4 * trellis.n_states * 3
+    if triton_path:
+        return costs + n * trellis.n_groups
+    return costs + (n - 1) * trellis.n_groups * trellis.field_bits // 8
+
+
+def batch_size(trellis: Trellis, n: int, device: torch.device, triton_path: bool) -> int:
+    """Tiles per batch that fit the memory budget of ``device``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_FREE_FRACTION)
+    else:
+        budget = CPU_BUDGET_BYTES
+    return max(1, min(MAX_BATCH, budget // bytes_per_tile(trellis, n, triton_path)))
+
+
+def _viterbi_fn(triton_path: bool) -> Callable:
+    if triton_path:
+        from .viterbi_triton import viterbi_triton
+        return viterbi_triton
+    return viterbi
+
+
+def encode_batch(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
+                 opts: EncodeOptions = EncodeOptions()) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch: x float32 [T, n] -> (states int64 [T, n], squared error [T])."""
+    fn = _viterbi_fn(_use_triton(x.device, opts.backend))
+    if not opts.tail_biting:
+        return fn(x, values, trellis)
+    return viterbi_tailbiting(x, values, trellis, opts.wrap_window, fn)
+
+
+def encode_tiles(x: torch.Tensor, values: torch.Tensor, bits: int,
+                 opts: EncodeOptions = EncodeOptions(), progress: Progress | None = None,
+                 state_bits: int = STATE_BITS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode tiles x float32 [T, n] (n = 256 for the format) on x's device.
+
+    Returns (states int64 [T, n], squared error float32 [T]); with tail_biting the walks are cyclic.
+    """
+    trellis = Trellis(state_bits, bits)
+    t_count, n = x.shape
+    values = values.float().to(x.device)
+    triton_path = _use_triton(x.device, opts.backend)
+    step = opts.batch_tiles or batch_size(trellis, n, x.device, triton_path)
+    states = torch.empty((t_count, n), dtype=torch.int64, device=x.device)
+    err = torch.empty(t_count, dtype=torch.float32, device=x.device)
+    for lo in range(0, t_count, step):
+        hi = min(t_count, lo + step)
+        states[lo:hi], err[lo:hi] = encode_batch(x[lo:hi].float().contiguous(), values, trellis, opts)
+        if progress is not None:
+            progress(hi, t_count)
+    return states, err
+
+
+def stderr_progress(label: str, every_s: float = 2.0) -> Progress:
+    """A progress callback printing ``label: done/total tiles`` with a rate, at most every few seconds."""
+    start = time.monotonic()
+    last = [start - every_s]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s or done >= total:
+            last[0] = now
+            rate = done / max(now - start, 1e-9)
+            print(f"{label}: {done}/{total} tiles ({100.0 * done / max(total, 1):.0f}%, "
+                  f"{rate:.0f} tiles/s)", file=sys.stderr, flush=True)
+
+    return report

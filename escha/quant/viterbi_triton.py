@@ -1,0 +1,121 @@
+"""Triton kernels for the exact Viterbi encoder: fused multi-step DP and traceback.
+
+Steps j..j+D of a bit-shift trellis decompose into independent groups: every window from
+step j to step j+D contains the same L-K*D "core" bits (stream bits K(j+D) .. Kj+L), so the
+2^(K*D) states of one core at each of those steps only ever reach each other. A program holds
+C cores x 2^(K*D) costs in registers, runs D steps there, and touches global memory once per D
+steps; inside, the states of one core form a small shift register of K*D bits, so a step is
+the same reshape / min / broadcast as the reference path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .viterbi import EXCLUDED, Trellis
+
+# Steps fused per launch for each K: K*D state bits per core group in registers.
+STEPS_PER_LAUNCH = {1: 8, 2: 4, 3: 3, 4: 2}
+
+
+@dataclass
+class LaunchConfig:
+    """States held by one program (cores x group states) and its warps; set by measurement."""
+
+    program_states: int = 2048  # fastest of 2048/4096/8192 x 4/8 warps on the H200
+    num_warps: int = 4
+
+
+LAUNCH = LaunchConfig()
+
+
+@triton.jit
+def _dp_chunk_kernel(cost_in, cost_out, bp_ptr, x_ptr, table_ptr, t0, n_tiles, n,
+                     K: tl.constexpr, D: tl.constexpr, C: tl.constexpr, L: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    S: tl.constexpr = 1 << (K * D)
+    P: tl.constexpr = S >> K
+    CORE: tl.constexpr = L - K * D
+    G1: tl.constexpr = 1 << (L - K)
+    c = (tl.program_id(1) * C + tl.arange(0, C))[:, None]  # core values [C, 1]
+    f = tl.arange(0, S)[None, :]  # group-local state [1, S]
+    pf = tl.arange(0, P)[None, :]
+    # At step offset 0 the group-local bits all precede the core.
+    cost = tl.load(cost_in + tile * (1 << L) + ((f << CORE) | c))
+    for i in tl.static_range(D):
+        cost3 = tl.reshape(cost, (C, 1 << K, P))
+        m, a = tl.min(cost3, axis=1, return_indices=True)
+        # Predecessor group p = s_new >> K of each new state, in global numbering.
+        p = ((pf >> (K * i)) << (L - K * (D - i))) | (c << (K * i)) | (pf & ((1 << (K * i)) - 1))
+        t = t0 + i
+        tl.store(bp_ptr + (t * n_tiles + tile) * G1 + p, a.to(tl.uint8))
+        cost = tl.reshape(tl.broadcast_to(m[:, :, None], (C, P, 1 << K)), (C, S))
+        j = i + 1
+        s = ((f >> (K * j)) << (L - K * (D - j))) | (c << (K * j)) | (f & ((1 << (K * j)) - 1))
+        v = tl.load(table_ptr + s).to(tl.float32)
+        xv = tl.load(x_ptr + tile * n + t)
+        d = v - xv
+        cost = cost + d * d
+    tl.store(cost_out + tile * (1 << L) + ((c << (K * D)) | f), cost)
+
+
+@triton.jit
+def _traceback_kernel(last_ptr, bp_ptr, states_ptr, n_tiles, n: tl.constexpr,
+                      K: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr):
+    tiles = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = tiles < n_tiles
+    t64 = tiles.to(tl.int64)
+    s = tl.load(last_ptr + tiles, mask=mask, other=0).to(tl.int32)
+    tl.store(states_ptr + t64 * n + (n - 1), s, mask=mask)
+    for tt in range(1, n):
+        t = n - tt
+        p = s >> K
+        a = tl.load(bp_ptr + (t * n_tiles + t64) * (1 << (L - K)) + p, mask=mask, other=0).to(tl.int32)
+        s = (a << (L - K)) | p
+        tl.store(states_ptr + t64 * n + (t - 1), s, mask=mask)
+
+
+def chunk_plan(trellis: Trellis, n: int) -> list[tuple[int, int]]:
+    """(first step, steps) of each launch covering steps 1 .. n-1."""
+    d_max = min(STEPS_PER_LAUNCH.get(trellis.bits, 1), trellis.state_bits // trellis.bits)
+    plan, t = [], 1
+    while t < n:
+        d = min(d_max, n - t)
+        plan.append((t, d))
+        t += d
+    return plan
+
+
+def viterbi_triton(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
+                   overlap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as escha.quant.viterbi.viterbi; runs on CUDA (or TRITON_INTERPRET=1)."""
+    t_count, n = x.shape
+    big_l, k = trellis.state_bits, trellis.bits
+    x = x.float().contiguous()
+    table16 = values.to(device=x.device, dtype=torch.float16).contiguous()
+    v32 = table16.float()
+    states_all = torch.arange(trellis.n_states, device=x.device)
+    cost = (v32[None, :] - x[:, :1]).square_()
+    if overlap is not None:
+        cost = torch.where((states_all[None, :] >> k) == overlap[:, None], cost, EXCLUDED)
+    cost = cost.contiguous()
+    other = torch.empty_like(cost)
+    bp = torch.empty((n, t_count, trellis.n_groups), dtype=torch.uint8, device=x.device)
+    for t0, d in chunk_plan(trellis, n):
+        s = 1 << (k * d)
+        c = min(max(LAUNCH.program_states // s, 1), 1 << (big_l - k * d))
+        grid = (t_count, (1 << (big_l - k * d)) // c)
+        _dp_chunk_kernel[grid](cost, other, bp, x, table16, t0, t_count, n,
+                               K=k, D=d, C=c, L=big_l, num_warps=LAUNCH.num_warps)
+        cost, other = other, cost
+    if overlap is not None:
+        cost = torch.where((states_all[None, :] & trellis.overlap_mask) == overlap[:, None], cost, EXCLUDED)
+    best, last = cost.min(dim=1)
+    states = torch.empty((t_count, n), dtype=torch.int32, device=x.device)
+    block = 128
+    _traceback_kernel[(triton.cdiv(t_count, block),)](last.to(torch.int32).contiguous(), bp, states,
+                                                       t_count, n, K=k, L=big_l, BLOCK=block)
+    return states.to(torch.int64), best
