@@ -48,11 +48,11 @@ ACTQUANT_VARIANTS = {
     "bm128w8": ActQuantConfig(block_m=128, num_warps=8),
     "bm64w4-r1": ActQuantConfig(max_rows_per_prog=1),
 }
-DEQUANT_VARIANTS = {
-    "bk64w8s2": DequantConfig(),
-    "bk64w8s3": DequantConfig(num_stages=3),
+DEQUANT_VARIANTS = {  # the default is BK=64, 4 warps, 2 stages
     "bk64w4s2": DequantConfig(num_warps=4),
-    "bk128w8s2": DequantConfig(k_per_prog=4, block_k=128),
+    "bk64w8s2": DequantConfig(num_warps=8),
+    "bk64w8s3": DequantConfig(num_warps=8, num_stages=3),
+    "bk128w8s2": DequantConfig(k_per_prog=4, block_k=128, num_warps=8),
 }
 
 

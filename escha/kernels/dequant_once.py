@@ -77,7 +77,7 @@ class DequantConfig:
 
     k_per_prog: int = 8
     block_k: int = 64
-    num_warps: int = 8
+    num_warps: int = 4  # 4 beat 8 on the H200: gate_up 97 vs 117 us, down 54 vs 64 us (prefill_h200_v2.log)
     num_stages: int = 2
 
 
@@ -153,15 +153,17 @@ def dequant_once_matmul(x2d: torch.Tensor, trellis: torch.Tensor, su: torch.Tens
 # codec.decode_block's row-broadcast form: per [128, 64] block, two [128, 4] word loads (one word
 # pair per tile row) instead of the previous two [128, BK] per-weight gathers, so the pipeliner
 # can stage them (cp.async, LDGSTS in the SASS) in a few KB of shared memory; num_stages=2 is back.
-# Defaults BK=64, 8 warps, k_per_prog=8 (512 columns a program: (Np/128) * (Kp/512) programs,
+# Defaults BK=64, 4 warps, k_per_prog=8 (512 columns a program: (Np/128) * (Kp/512) programs,
 # 1360 for gate_up, 680 for down). Offline sm_90 compile facts (ptxas -v, no GPU run), fp8 store:
 #     BK=64,  8 warps, 2 stages:  90 registers, 0 spills, 52 KB smem (2 blocks/SM by registers)
 #     BK=64,  4 warps, 2 stages: 161 registers, 0 spills, 52 KB smem
 #     BK=128, 8 warps, 2 stages: 156 registers, 0 spills, 72 KB smem (1 block/SM by registers)
 #     BK=128, 8 warps, 3 stages: 160 registers, 0 spills, 80 KB smem
-# all with HGMMA.64xBKx16.F32 (fp16 wgmma) for Hn and LDGSTS for the words. The previous kernel
-# measured 150 us (gate_up) / 78 us (down) on the H200; the new one is to be measured
-# (benchmarks/bench_prefill.py times the alternatives above as part-dequant-fp8-* arms).
+# all with HGMMA.64xBKx16.F32 (fp16 wgmma) for Hn and LDGSTS for the words. Measured on the H200
+# (benchmarks/results/prefill_h200_v2.log, fp8 store, gate_up / down at M=2048): BK=64 8 warps
+# 117.4 / 64.1 us, BK=64 4 warps 97.1 / 54.1, BK=64 8 warps 3 stages 98.7 / 55.5, BK=128 8 warps
+# 148.8 / 81.4; the previous gather-based kernel 150 / 78. So 4 warps is the default; it is still
+# 3.5x the codec's integer floor (27.8 us for gate_up).
 # Why not dequant.py's plain-T kernel: a scratch of T leaves the output Hadamard for a separate
 # pass over [M, N] (a bf16 read and write of the whole output); folding Hn into the scratch
 # lets the library GEMM's row-wise scale carry r = g*c*su and the GEMM output is y. Its fp8
