@@ -120,8 +120,8 @@ def test_pair_order_input_is_a_permutation(small_qw):
 def test_paired_vs_unpaired_and_deterministic():
     qw = random_qweight(96, 300, bits=2, seed=31, device=DEV)  # 128 x 384: 3 k-blocks
     x = _x((6, 300), torch.float32, seed=31)
-    cfg = decode_config(qw, 6)
-    assert cfg.pair_columns
+    assert not decode_config(qw, 6).pair_columns  # the default: pairs measured slower on the H200
+    cfg = replace(decode_config(qw, 6), pair_columns=True)
     outs = []
     for _ in range(2):
         out = torch.full((6, 96), float("nan"), dtype=torch.float32, device=DEV)  # poisoned
