@@ -17,28 +17,13 @@ import triton
 import triton.language as tl
 
 from ..format.spec import HAD_BLOCK
+from .transforms import hadamard_pm1
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 # The kernel multiplies by the unnormalized +-1 Hadamard matrix (exact in any dtype); this
 # folds its 1/sqrt(128) back in, on the fp32 scale rather than on every element.
 HAD_NORM = 1.0 / math.sqrt(HAD_BLOCK)
-
-
-@triton.jit
-def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
-    """The unnormalized Sylvester matrix H[i, j] = (-1)**popcount(i & j), [BLOCK, BLOCK] in ``dtype``.
-
-    Built from indices so that no constant tensor has to be copied to the device (a host copy
-    is not allowed inside CUDA-graph capture).
-    """
-    i = tl.arange(0, BLOCK)[:, None]
-    j = tl.arange(0, BLOCK)[None, :]
-    a = i & j
-    a = a ^ (a >> 4)
-    a = a ^ (a >> 2)
-    a = a ^ (a >> 1)
-    return (1 - 2 * (a & 1)).to(dtype)
 
 
 @triton.jit

@@ -70,7 +70,7 @@ def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr,
     n = nb * BN + tl.arange(0, BN)[:, None]
     if FUSE_OUTPUT:
         # BN == 128: this program holds whole Hadamard blocks of z^T, so Hn is one more product.
-        h = tl.dot(hadamard_pm1(BN), acc, input_precision="tf32x3") * 0.08838834764831845
+        h = tl.dot(hadamard_pm1(BN, tl.float32), acc, input_precision="tf32x3") * 0.08838834764831845
         rs = row_scale_block(c_ptr, su_ptr, g_ptr, n, n < N_out)
         inv = tl.load(inv_ptr + m[None, :], mask=x_mask, other=0.0)
         y = h * rs * inv

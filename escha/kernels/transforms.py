@@ -25,15 +25,19 @@ INV_SQRT_BLOCK = 0.08838834764831845  # 1/sqrt(128)
 
 
 @triton.jit
-def hadamard_pm1(BLOCK: tl.constexpr):
-    """The +-1 Sylvester matrix [BLOCK, BLOCK] (fp32): (-1)**popcount(i & j), built in registers."""
+def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """The unnormalized Sylvester matrix H[i, j] = (-1)**popcount(i & j), [BLOCK, BLOCK] in ``dtype``.
+
+    Built from indices in registers, so no constant tensor is copied to the device (a host copy
+    is not allowed inside CUDA-graph capture). The parity fold covers BLOCK <= 128.
+    """
     i = tl.arange(0, BLOCK)[:, None]
     j = tl.arange(0, BLOCK)[None, :]
-    v = i & j
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+    a = i & j
+    a = a ^ (a >> 4)
+    a = a ^ (a >> 2)
+    a = a ^ (a >> 1)
+    return (1 - 2 * (a & 1)).to(dtype)
 
 
 @triton.jit
@@ -78,7 +82,7 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm,
     k = b * 128 + j
     xs = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
     xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
-    h = tl.dot(xs, hadamard_pm1(128), input_precision="tf32x3")
+    h = tl.dot(xs, hadamard_pm1(128, tl.float32), input_precision="tf32x3")
     h = (h * 0.08838834764831845) * scale
     if PAIR_ORDER:
         q = k % 16
@@ -129,7 +133,7 @@ def _output_transform_kernel(z_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_o
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask, other=0.0)
-    h = tl.dot(z, hadamard_pm1(128), input_precision="tf32x3") * 0.08838834764831845
+    h = tl.dot(z, hadamard_pm1(128, tl.float32), input_precision="tf32x3") * 0.08838834764831845
     rs = row_scale_block(c_ptr, su_ptr, g_ptr, n, n < N_out)
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
     y = h * rs * inv
