@@ -1,0 +1,256 @@
+"""End-to-end decode throughput: a Qwen3-14B-shaped model, Escha W2 vs bf16, batch 1 and 8.
+
+Weights are random: the bf16 arm uses transformers' initialisation, the Escha arm replaces every
+Linear inside the decoder layers with an EschaLinear whose trellis bits, signs and scales come
+from ``escha.format.random_qweight`` (valid weights that cost nothing to make; decode speed does
+not depend on the values). Embeddings, norms and lm_head are bf16 in both arms.
+
+Decoding runs greedy with a StaticCache; each token step is captured once as a CUDA graph
+(``--graphs manual``, default), or compiled with torch.compile(mode="reduce-overhead")
+(``--graphs compile``), or run eagerly (``--graphs none``, the only choice on CPU). If capture
+fails the script falls back (manual -> compile -> none) and records what ran.
+
+    python benchmarks/bench_e2e.py --device cuda --out benchmarks/results/e2e_h200.json
+    python benchmarks/bench_e2e.py --tiny --device cpu --new-tokens 4   # CPU smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import escha  # noqa: E402
+from escha.format import random_qweight  # noqa: E402
+from escha.nn import EschaLinear, replace_linear  # noqa: E402
+
+QWEN3_14B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
+                 rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False)
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
+            tie_word_embeddings=False)
+
+
+def make_config(args):
+    import transformers
+    shape = dict(TINY if args.tiny else QWEN3_14B)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    return transformers.Qwen3Config(**shape)
+
+
+def build(config, arm: str, device: torch.device, bits: int):
+    """The bf16 model, or the same model with Escha W2 Linears in every decoder layer."""
+    import transformers
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        if arm == "bf16":
+            with device:
+                model = transformers.Qwen3ForCausalLM(config)
+        else:
+            from escha.model.checkpoint import meta_parameters
+            with meta_parameters():
+                model = transformers.Qwen3ForCausalLM(config)
+            for name, p in list(model.named_parameters()):
+                if ".layers." in name and name.endswith("_proj.weight"):
+                    continue  # replaced below
+                value = torch.ones(p.shape, device=device) if p.dim() == 1 else torch.randn(p.shape, device=device) * 0.02
+                owner, _, attr = name.rpartition(".")
+                model.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+            seed = 0
+            for name, mod in list(model.named_modules()):
+                if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+                    qw = random_qweight(mod.out_features, mod.in_features, bits=bits, seed=seed, device=device)
+                    replace_linear(model, name, EschaLinear.from_quantized(qw))
+                    seed += 1
+            model.to(device)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+class Decoder:
+    """Greedy decoding with a StaticCache; ``step`` is one token for the whole batch."""
+
+    def __init__(self, model, batch: int, prompt: int, new_tokens: int, device: torch.device, graphs: str):
+        from transformers import StaticCache
+        self.model, self.device = model, device
+        self.prompt_ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device,
+                                        generator=torch.Generator(device=device).manual_seed(1))
+        self.cache = StaticCache(config=model.config, max_cache_len=prompt + new_tokens + 4)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.prompt = prompt
+        self.graph = None
+        self.mode = graphs
+        self.fn = self._step
+        if graphs == "compile":
+            self.fn = torch.compile(self._step, mode="reduce-overhead", fullgraph=False)
+
+    def _step(self):
+        out = self.model(input_ids=self.tok, position_ids=self.pos, cache=self.cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+        return nxt
+
+    def prefill(self) -> None:
+        self.cache.reset()
+        b = self.prompt_ids.shape[0]
+        pos = torch.arange(self.prompt, device=self.device).expand(b, -1)
+        out = self.model(input_ids=self.prompt_ids, position_ids=pos, cache=self.cache, use_cache=True)
+        self.tok.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+        self.pos.fill_(self.prompt)
+
+    def prepare(self) -> None:
+        """Warm up (and capture the graph, in manual mode), leaving the cache freshly prefilled."""
+        self.prefill()
+        if self.mode == "manual":
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+        else:
+            for _ in range(3):
+                self.fn()
+        self.prefill()
+
+    def run(self, n: int) -> list[torch.Tensor]:
+        tokens = []
+        for _ in range(n):
+            if self.graph is not None:
+                self.graph.replay()
+                tokens.append(self.tok.clone())
+            else:
+                tokens.append(self.fn().clone())
+        return tokens
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model, batch: int, args, device: torch.device) -> dict:
+    order = [args.graphs] + {"manual": ["compile", "none"], "compile": ["none"], "none": []}[args.graphs]
+    errors = {}
+    for mode in order:
+        try:
+            dec = Decoder(model, batch, args.prompt, args.new_tokens, device, mode)
+            with torch.no_grad():
+                dec.prepare()
+                times = []
+                for _ in range(args.repeats):
+                    dec.prefill()
+                    sync(device)
+                    t = time.perf_counter()
+                    toks = dec.run(args.new_tokens)
+                    sync(device)
+                    times.append(time.perf_counter() - t)
+            best = min(times)
+            return {"batch": batch, "graphs": mode, "new_tokens": args.new_tokens, "prompt": args.prompt,
+                    "seconds": times, "tokens_per_s": batch * args.new_tokens / best,
+                    "ms_per_step": 1e3 * best / args.new_tokens,
+                    "first_tokens": torch.cat(toks[:4], 1)[0].tolist(), "fallback_errors": errors}
+        except Exception as e:  # capture or compile failed: record and try the next mode
+            errors[mode] = f"{type(e).__name__}: {e}"[:500]
+            if args.verbose:
+                traceback.print_exc()
+    raise RuntimeError(f"every decode mode failed: {errors}")
+
+
+def machine(device: torch.device) -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        sha = sha.stdout.strip() if sha.returncode == 0 and sha.stdout.strip() else "no commits"
+    except (OSError, subprocess.SubprocessError):
+        sha = "unknown"
+    info = {"platform": platform.platform(), "torch": torch.__version__, "escha": escha.__version__,
+            "transformers": __import__("transformers").__version__, "git_sha": sha,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-128 model (CPU smoke test)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 40, as Qwen3-14B)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bits", type=int, default=2)
+    ap.add_argument("--graphs", choices=("manual", "compile", "none"), default=None)
+    ap.add_argument("--arms", default="bf16,escha")
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if args.graphs is None:
+        args.graphs = "manual" if device.type == "cuda" else "none"
+    if args.graphs != "none" and device.type != "cuda":
+        ap.error("CUDA graphs need --device cuda")
+    config = make_config(args)
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict = {"arms": {}}
+    for arm in args.arms.split(","):
+        model = build(config, arm, device, args.bits)
+        mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        rows = []
+        for b in batches:
+            rows.append(measure(model, b, args, device))
+            print(f"{arm:6s} batch {b}: {rows[-1]['tokens_per_s']:.1f} tok/s "
+                  f"({rows[-1]['ms_per_step']:.2f} ms/step, graphs={rows[-1]['graphs']})", flush=True)
+        results["arms"][arm] = {"rows": rows, "weights_bytes_on_device": mem}
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if {"bf16", "escha"} <= set(results["arms"]):
+        sp = {}
+        for rb, re in zip(results["arms"]["bf16"]["rows"], results["arms"]["escha"]["rows"]):
+            sp[str(rb["batch"])] = re["tokens_per_s"] / rb["tokens_per_s"]
+        results["speedup_escha_over_bf16"] = sp
+        if "1" in sp:
+            results["target_batch1"] = {"required": 1.6, "measured": sp["1"], "met": sp["1"] >= 1.6}
+        print("speedup escha/bf16:", {k: round(v, 3) for k, v in sp.items()})
+    results.update({
+        "benchmark": "e2e decode", "model": "Qwen3-14B-shaped (random weights)" if not args.tiny else "tiny Qwen3 (smoke test)",
+        "config": {k: getattr(config, k) for k in (QWEN3_14B if not args.tiny else TINY)},
+        "layers": config.num_hidden_layers, "bits": args.bits,
+        "weights": "random: bf16 from transformers' init; Escha trellis bits, signs and scales from "
+                   "escha.format.random_qweight; embeddings, norms and lm_head bf16 in both arms",
+        "machine": machine(device),
+    })
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

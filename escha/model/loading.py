@@ -1,0 +1,112 @@
+"""load_model: an Escha W2 model directory -> a transformers model with EschaLinear layers."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from ..format.qweight import QuantizedWeight
+from ..io import load_file
+from ..nn.linear import EschaLinear, replace_linear
+from .checkpoint import (INDEX_NAME, build_skeleton, meta_tensors, set_tensor, tie_output_embeddings)
+from .errors import ModelError
+from .output import QUANT_METHOD
+
+
+def read_quantization_config(model_dir: str) -> dict:
+    """config.json's ``quantization_config``, checked to be an Escha one."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    with open(path, encoding="utf-8") as f:
+        qc = json.load(f).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        raise ModelError(f"{path} has no escha quantization_config (was the model made by `escha quantize`?)")
+    if not isinstance(qc.get("bits_map"), dict):
+        raise ModelError(f"{path}: quantization_config has no bits_map")
+    return qc
+
+
+def install_escha_linears(model: nn.Module, bits_map: dict[str, int], device: torch.device | str = "meta",
+                          dtype: torch.dtype | None = None) -> None:
+    """Replace each nn.Linear named in ``bits_map`` by an EschaLinear of the same shape."""
+    for name, bits in bits_map.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise ModelError(f"quantization_config names {name!r}, which the model does not have") from None
+        if not isinstance(old, (nn.Linear, EschaLinear)):
+            raise ModelError(f"{name} is a {type(old).__name__}, not a Linear")
+        has_bias = getattr(old, "bias", None) is not None
+        bias_dtype = dtype or (old.bias.dtype if has_bias else None)
+        replace_linear(model, name, EschaLinear(old.in_features, old.out_features, bias=has_bias,
+                                                bits=int(bits), device=device, dtype=bias_dtype))
+
+
+def _shards(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{model_dir} has no model.safetensors or {INDEX_NAME}")
+    missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+    if missing:
+        raise FileNotFoundError(f"{model_dir}: missing shard(s) {', '.join(missing)}")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def load_model(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
+               dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a directory written by ``escha quantize`` as a transformers model (eval mode).
+
+    The model is built with meta parameters, its quantized Linears replaced by EschaLinear, then
+    filled shard by shard. Plain tensors take ``dtype`` (default: the config's dtype, else
+    float32); the Escha buffers keep the format's dtypes. ``.generate`` works for causal LMs.
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    model_dir = os.fspath(model_dir)
+    qc = read_quantization_config(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    device = torch.device(device)
+    model = build_skeleton(config)
+    install_escha_linears(model, qc["bits_map"], device="meta", dtype=dtype)
+    expected = set(model.state_dict().keys())
+    for path in _shards(model_dir):
+        for name, value in load_file(path, device).items():
+            if isinstance(value, QuantizedWeight):
+                mod = model.get_submodule(name) if _has_module(model, name) else None
+                if not isinstance(mod, EschaLinear):
+                    raise ModelError(f"{path}: {name!r} is quantized but the model has no EschaLinear there")
+                if mod.bits != value.bits:
+                    raise ModelError(f"{path}: {name!r} has K={value.bits}, config says K={mod.bits}")
+                mod.set_qweight(value)
+            else:
+                if name not in expected:
+                    raise ModelError(f"{path}: tensor {name!r} does not belong to {type(model).__name__}")
+                set_tensor(model, name, value.to(dtype) if value.is_floating_point() else value)
+    tie_output_embeddings(model)
+    missing = meta_tensors(model)
+    if missing:
+        raise ModelError(f"{model_dir}: the shards lack {len(missing)} tensor(s), e.g. {missing[:4]}")
+    model.to(device)  # buffers built on CPU (rotary tables, position ids)
+    gen = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen) and hasattr(model, "generation_config"):
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval()
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False

@@ -1,0 +1,107 @@
+"""Options of a quantization run and the statistics it records."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import ModelError
+
+ALLOWED_BITS = (2, 3)
+
+
+@dataclass
+class QuantizeOptions:
+    """What ``escha quantize`` does.
+
+    Exactly one of ``bits`` (every Linear at K=bits) and ``bpw`` (K in {2, 3} per Linear,
+    allocated by measured sensitivity to meet this average) applies; ``bpw`` wins if set.
+    """
+
+    bits: int | None = 2
+    bpw: float | None = None
+    calib: str | None = None  # UTF-8 text file; None = the built-in set
+    skip: tuple[str, ...] = ("lm_head",)
+    seed: int = 0
+    device: str = "cpu"
+    seq_len: int = 256
+    max_samples: int = 32
+    encoder: str | None = None  # escha.quantize's encoder ("viterbi", "greedy"); None = its default
+    use_hessian: bool = True  # pass calibration Hessians to the encoder (LDLQ)
+    dtype: str = "float32"  # compute dtype of the calibration forward passes
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.skip = tuple(s for s in self.skip if s)
+        if self.bpw is not None:
+            if not (ALLOWED_BITS[0] <= self.bpw <= ALLOWED_BITS[-1]):
+                raise ModelError(f"--bpw must lie in [{ALLOWED_BITS[0]}, {ALLOWED_BITS[-1]}], got {self.bpw}")
+            self.bits = None
+        elif self.bits not in ALLOWED_BITS:
+            raise ModelError(f"--bits must be one of {ALLOWED_BITS}, got {self.bits!r}")
+        if self.seq_len < 2 or self.max_samples < 1:
+            raise ModelError("seq_len must be >= 2 and max_samples >= 1")
+        self.torch_dtype  # validates the name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise ModelError(f"dtype must name a torch floating dtype, got {self.dtype!r}")
+        return dt
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        """The K values each Linear is quantized at (both when allocating by bpw)."""
+        return ALLOWED_BITS if self.bpw is not None else (int(self.bits),)  # type: ignore[arg-type]
+
+    @property
+    def propagate_bits(self) -> int:
+        """K of the weights that produce the next layer's calibration inputs."""
+        return self.candidates[0]
+
+    def identity(self, extra: dict) -> dict:
+        """Everything that changes a layer's result; partial results are reused only on a match."""
+        keep = {k: v for k, v in asdict(self).items()
+                if k not in ("bpw", "bits", "device", "progress", "calib")}
+        return {**keep, "skip": list(self.skip), "candidates": list(self.candidates), **extra}
+
+
+@dataclass
+class LinearStats:
+    """Measured results for one Linear, per candidate K."""
+
+    name: str
+    layer: int  # index in the layer stack; the stack length for modules outside it
+    shape: tuple[int, int]
+    proxy: dict[int, float] = field(default_factory=dict)  # E||(W - W_hat) x||^2 per token
+    proxy_rel: dict[int, float] = field(default_factory=dict)  # proxy / E||W x||^2
+    weight_rel: dict[int, float] = field(default_factory=dict)  # ||W - W_hat||^2 / ||W||^2
+    storage_bpw: dict[int, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    hessian: str = "used"  # "used", or "fallback" when the encoder refused it
+
+    @property
+    def params(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for k in ("proxy", "proxy_rel", "weight_rel", "storage_bpw"):
+            d[k] = {str(b): v for b, v in d[k].items()}
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LinearStats":
+        d = dict(d)
+        for k in ("proxy", "proxy_rel", "weight_rel", "storage_bpw"):
+            d[k] = {int(b): float(v) for b, v in d[k].items()}
+        d["shape"] = tuple(d["shape"])
+        return cls(**d)
+
+
+def dumps(obj) -> str:
+    """Stable JSON for identities and metadata."""
+    return json.dumps(obj, sort_keys=True)

@@ -1,0 +1,107 @@
+"""Writing the quantized model directory: shards, index, config.json, tokenizer files, report."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from ..format.qweight import QuantizedWeight
+from ..format.spec import FORMAT_NAME, FORMAT_VERSION
+from ..io import PARTS, save_file
+from .checkpoint import INDEX_NAME, CheckpointReader
+from .options import QuantizeOptions
+from .report import QuantizeReport
+from .store import PartialStore
+
+QUANT_METHOD = "escha"
+REPORT_NAME = "escha_report.json"
+# Files copied from the source directory as they are.
+COPY_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.json", "chat_template.jinja", "generation_config.json",
+    "preprocessor_config.json",
+)
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def quantization_config(report: QuantizeReport, options: QuantizeOptions) -> dict:
+    """The ``quantization_config`` entry of config.json (read by load_model and the HfQuantizer)."""
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "bits": options.bits,
+        "bpw": round(report.mean_bits, 4),
+        "storage_bpw": round(report.storage_bpw, 4),
+        "bits_map": dict(sorted(report.bits_map.items())),
+        "modules_to_not_convert": list(options.skip),
+        "seed": options.seed,
+    }
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_output(out_dir: str, model_dir: str, reader: CheckpointReader, store: PartialStore,
+                 shell_raw: dict[str, str], num_layers: int, tail_key: str | None,
+                 bits_map: dict[str, int], report: QuantizeReport, options: QuantizeOptions) -> None:
+    """Assemble the finished layers into an HF-style directory, then drop the partial results.
+
+    Shard 1 holds everything outside the layer stack (embeddings, norms, a skipped lm_head as
+    plain tensors, quantized tail modules); shard i+2 holds layer i. config.json is written
+    last, so a directory with a config.json is complete.
+    """
+    n = num_layers + 1
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def write(i: int, tensors: dict) -> None:
+        nonlocal total
+        name = shard_name(i, n)
+        path = os.path.join(out_dir, name)
+        save_file(tensors, path, metadata={"format": "pt"})
+        total += os.path.getsize(path)
+        for key, value in tensors.items():
+            parts = [f"{key}.{p}" for p in PARTS] if isinstance(value, QuantizedWeight) else [key]
+            for p in parts:
+                weight_map[p] = name
+
+    shell = {name: reader.get(key) for name, key in shell_raw.items()}
+    if tail_key is not None:
+        qws, _, _ = store.load(tail_key)
+        shell.update({name: by_k[bits_map[name]] for name, by_k in qws.items()})
+    write(1, shell)
+    del shell
+    for i in range(num_layers):
+        qws, raw, _ = store.load(f"layer_{i:05d}")
+        tensors: dict = dict(raw)
+        tensors.update({name: by_k[bits_map[name]] for name, by_k in qws.items()})
+        write(i + 2, tensors)
+    _write_json(os.path.join(out_dir, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    for fname in COPY_FILES:
+        src = os.path.join(model_dir, fname)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, fname))
+    _write_json(os.path.join(out_dir, REPORT_NAME), report.to_json())
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config(report, options)
+    _write_json(os.path.join(out_dir, "config.json"), config)
+    store.remove()
+
+
+def clear_output(out_dir: str) -> None:
+    """Remove a previous model from OUT_DIR (``--overwrite``); other files are left alone."""
+    for fname in os.listdir(out_dir):
+        if (fname.endswith(".safetensors") or fname in COPY_FILES
+                or fname in ("config.json", INDEX_NAME, REPORT_NAME)):
+            os.unlink(os.path.join(out_dir, fname))

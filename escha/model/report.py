@@ -1,0 +1,80 @@
+"""The ending report of a quantization run: per-layer error, bits and time."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .options import LinearStats
+
+
+@dataclass
+class QuantizeReport:
+    """What a run produced; ``to_json`` is written to OUT_DIR/escha_report.json."""
+
+    mode: str  # "bits=2", "bits=3" or "bpw=2.5"
+    bits_map: dict[str, int]
+    stats: list[LinearStats]
+    num_layers: int
+    layer_seconds: dict[int, float] = field(default_factory=dict)
+    resumed_layers: list[int] = field(default_factory=list)
+    hessian: str = "used"
+    calibration: dict = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+    @property
+    def params(self) -> int:
+        return sum(s.params for s in self.stats)
+
+    @property
+    def mean_bits(self) -> float:
+        """Parameter-weighted mean K over the quantized Linears."""
+        return sum(self.bits_map[s.name] * s.params for s in self.stats) / max(1, self.params)
+
+    @property
+    def storage_bpw(self) -> float:
+        """Stored bits per quantized weight, side information and padding included."""
+        return sum(s.storage_bpw[self.bits_map[s.name]] * s.params for s in self.stats) / max(1, self.params)
+
+    def layer_rows(self) -> list[dict]:
+        """One row per layer (the modules after the stack form a last "tail" row)."""
+        rows = []
+        for layer in sorted({s.layer for s in self.stats}):
+            group = [s for s in self.stats if s.layer == layer]
+            n = sum(s.params for s in group)
+            k = lambda s: self.bits_map[s.name]  # noqa: E731
+            rows.append({
+                "layer": layer if layer < self.num_layers else "tail",
+                "linears": len(group),
+                "params": n,
+                "mean_bits": sum(k(s) * s.params for s in group) / n,
+                "storage_bpw": sum(s.storage_bpw[k(s)] * s.params for s in group) / n,
+                "proxy_rel": sum(s.proxy_rel[k(s)] for s in group) / len(group),
+                "weight_rel": sum(s.weight_rel[k(s)] for s in group) / len(group),
+                "seconds": self.layer_seconds.get(layer, sum(s.seconds for s in group)),
+                "resumed": layer in self.resumed_layers,
+            })
+        return rows
+
+    def to_json(self) -> dict:
+        return {
+            "mode": self.mode, "num_layers": self.num_layers, "params": self.params,
+            "mean_bits": self.mean_bits, "storage_bpw": self.storage_bpw, "hessian": self.hessian,
+            "calibration": self.calibration, "skipped": self.skipped,
+            "total_seconds": self.total_seconds, "resumed_layers": self.resumed_layers,
+            "layers": self.layer_rows(),
+            "linears": [{**s.to_json(), "bits": self.bits_map[s.name]} for s in self.stats],
+        }
+
+    def table(self) -> str:
+        """A fixed-width table of the per-layer rows and the totals."""
+        head = f"{'layer':>6} {'linears':>7} {'params':>12} {'K':>5} {'bpw':>6} {'proxy_rel':>10} {'w_rel':>8} {'sec':>8}"
+        lines = [head, "-" * len(head)]
+        for r in self.layer_rows():
+            lines.append(f"{r['layer']!s:>6} {r['linears']:>7} {r['params']:>12,} {r['mean_bits']:>5.2f} "
+                         f"{r['storage_bpw']:>6.3f} {r['proxy_rel']:>10.4f} {r['weight_rel']:>8.4f} "
+                         f"{r['seconds']:>8.1f}{'  (resumed)' if r['resumed'] else ''}")
+        lines.append("-" * len(head))
+        lines.append(f"{'total':>6} {len(self.stats):>7} {self.params:>12,} {self.mean_bits:>5.2f} "
+                     f"{self.storage_bpw:>6.3f} {'':>10} {'':>8} {self.total_seconds:>8.1f}")
+        lines.append(f"mode {self.mode}; Hessian {self.hessian}; calibration {self.calibration}")
+        return "\n".join(lines)

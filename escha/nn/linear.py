@@ -1,0 +1,173 @@
+"""EschaLinear: a drop-in replacement for torch.nn.Linear holding an Escha W2 weight."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..format.qweight import QuantizedWeight
+from ..format.spec import TILE, padded, words_per_tile
+
+# The QuantizedWeight fields, held as buffers so .to(), state_dict() and checkpoints see them.
+FORMAT_BUFFERS = ("trellis", "su", "sv", "scale", "gscale")
+
+
+class EschaLinear(nn.Module):
+    """y = x @ W_hat^T + b, with W_hat stored as an Escha W2 QuantizedWeight.
+
+    Attributes mirror nn.Linear (``in_features``, ``out_features``, ``bias``). The weight lives in
+    the buffers ``trellis``, ``su``, ``sv``, ``scale`` and ``gscale`` with exactly the dtypes of
+    the format: casting the module (``.half()``, ``.to(torch.bfloat16)``) changes only the bias,
+    and moving it (``.to(device)``) moves everything. ``forward`` calls ``escha.matmul``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 2,
+                 codebook_id: int = 0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, path: str | None = None) -> None:
+        super().__init__()
+        self.path = path  # escha.matmul kernel path; None lets the dispatcher choose
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"features must be positive, got in={in_features}, out={out_features}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.bits = int(bits)
+        self.codebook_id = int(codebook_id)
+        np_, kp = padded(out_features), padded(in_features)
+        # Placeholder values that form a valid weight (signs +1, unit scales); loading replaces them.
+        self.register_buffer("trellis", torch.zeros(np_ // TILE, kp // TILE, words_per_tile(bits),
+                                                    dtype=torch.int32, device=device))
+        self.register_buffer("su", torch.ones(np_, dtype=torch.int8, device=device))
+        self.register_buffer("sv", torch.ones(kp, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(np_, dtype=torch.float16, device=device))
+        self.register_buffer("gscale", torch.ones(1, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self._cache_key: tuple | None = None
+        self._cache: QuantizedWeight | None = None
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> "EschaLinear":
+        """Wrap an existing QuantizedWeight (and optional bias [out]); shares qw's tensors."""
+        if not isinstance(qw, QuantizedWeight):
+            raise TypeError(f"expected a QuantizedWeight, got {type(qw).__name__}")
+        if bias is not None and tuple(bias.shape) != (qw.out_features,):
+            raise ValueError(f"bias must have shape [{qw.out_features}], got {list(bias.shape)}")
+        mod = cls(qw.in_features, qw.out_features, bias=bias is not None, bits=qw.bits,
+                  codebook_id=qw.codebook_id, device="meta")
+        mod.set_qweight(qw)
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone().to(qw.device), requires_grad=False)
+        return mod
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 2, hessian: torch.Tensor | None = None,
+                    seed: int = 0, **quantize_kwargs) -> "EschaLinear":
+        """Quantize an nn.Linear's weight with ``escha.quantize`` and keep its bias.
+
+        ``hessian`` is E[x x^T] [in, in] over the layer's inputs, for Hessian-aware encoders;
+        ``quantize_kwargs`` go to ``escha.quantize`` as they are (e.g. ``encoder="greedy"``).
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        from .. import quant
+        qw = quant.quantize(linear.weight.detach(), bits=bits, hessian=hessian, seed=seed, **quantize_kwargs)
+        return cls.from_quantized(qw, None if linear.bias is None else linear.bias.detach())
+
+    def set_qweight(self, qw: QuantizedWeight) -> None:
+        """Replace the stored weight by ``qw`` (same shape); the module adopts its tensors."""
+        if (qw.out_features, qw.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {qw.shape} does not match the module's "
+                             f"({self.out_features}, {self.in_features})")
+        for name, t in qw.tensors().items():
+            self._buffers[name] = t
+        self.bits, self.codebook_id = qw.bits, qw.codebook_id
+        self._cache_key, self._cache = None, None
+
+    # -- the weight ---------------------------------------------------------------------
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The QuantizedWeight over the current buffers (validated once per buffer change)."""
+        bufs = tuple(self._buffers[n] for n in FORMAT_BUFFERS)
+        key = tuple(id(t) for t in bufs) + (self.bits, self.codebook_id)
+        if key != self._cache_key or self._cache is None:
+            self._cache = QuantizedWeight(*bufs, shape=(self.out_features, self.in_features),
+                                          bits=self.bits, codebook_id=self.codebook_id)
+            self._cache_key = key
+        return self._cache
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """W_hat [out, in] in float32 (for inspection and tests; forward never builds it)."""
+        from ..format.codec import dequantize
+        return dequantize(self.qweight)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight, side information included."""
+        return self.qweight.bits_per_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qw = self.qweight
+        y = ops.matmul(x, qw) if self.path is None else ops.matmul(x, qw, path=self.path)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    # -- device and dtype moves -----------------------------------------------------------
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # Module.to(dtype) would cast the fp16/fp32 scales; move the format buffers by device only.
+        held = {n: self._buffers.pop(n) for n in FORMAT_BUFFERS}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            src = held["trellis"].device
+            target = fn(torch.empty(0, dtype=torch.int8, device=src)).device
+            for n, t in held.items():
+                if t.device == target:
+                    moved = t
+                elif t.device.type == "meta":
+                    moved = torch.empty_like(t, device=target)  # to_empty() from a meta skeleton
+                else:
+                    moved = t.to(target)
+                self._buffers[n] = moved
+        self._cache_key, self._cache = None, None
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, bits={self.bits}"
+                + ("" if self.path is None else f", path={self.path!r}"))
+
+
+def set_matmul_path(model: nn.Module, path: str | None) -> int:
+    """Force ``escha.matmul``'s path (e.g. "reference") in every EschaLinear of ``model``; returns the count."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, EschaLinear):
+            m.path = path
+            n += 1
+    return n
+
+
+def dense_linear(qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Linear:
+    """An nn.Linear holding W_hat = dequantize(qw): exactly the quantized function, in ``dtype``.
+
+    Calibration runs quantized layers this way: the result does not depend on which GEMM kernel
+    a device has, and on CPU it is much faster than emulated kernels.
+    """
+    from ..format.codec import dequantize
+    with torch.device("meta"):
+        lin = nn.Linear(qw.in_features, qw.out_features, bias=bias is not None)
+    lin.weight = nn.Parameter(dequantize(qw).to(dtype), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+    return lin
+
+
+def replace_linear(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """Set ``parent.<name>`` (a dotted path below ``parent``) to ``new``."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = parent.get_submodule(owner_path) if owner_path else parent
+    setattr(owner, attr, new)

@@ -1,0 +1,69 @@
+"""transformers' from_pretrained loads an escha directory through the registered HfQuantizer."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import escha.integrations.hf as escha_hf  # noqa: E402
+from escha.cli import main as cli_main  # noqa: E402
+from escha.model import load_model  # noqa: E402
+from escha.nn import EschaLinear, set_matmul_path  # noqa: E402
+
+PROMPT = torch.tensor([[5, 9, 200, 31, 64]])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from threads, and on a busy CI runner threads oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    src = str(tmp_path_factory.mktemp("src"))
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    out = str(tmp_path_factory.mktemp("q") / "out")
+    assert cli_main(["quantize", src, out, "--bits", "3", "--encoder", "greedy", "--no-hessian",
+                     "--seq-len", "48", "--quiet"]) == 0
+    return out
+
+
+def test_registered():
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+    assert AUTO_QUANTIZER_MAPPING["escha"] is escha_hf.EschaHfQuantizer
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["escha"] is escha_hf.EschaConfig
+    escha_hf.register()  # idempotent
+
+
+def test_from_pretrained_matches_load_model(quantized):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized).eval()
+    ours = load_model(quantized)
+    q = hf.model.layers[1].mlp.down_proj
+    assert isinstance(q, EschaLinear) and q.bits == 3
+    assert q.scale.dtype == torch.float16 and q.trellis.dtype == torch.int32
+    assert isinstance(hf.lm_head, torch.nn.Linear)  # skipped by default
+    a, b = hf.state_dict(), ours.state_dict()
+    assert set(a) == set(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert set_matmul_path(hf, "reference") == 14 and set_matmul_path(ours, "reference") == 14
+    with torch.no_grad():
+        ta = hf.generate(PROMPT, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        tb = ours.generate(PROMPT, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert torch.equal(ta, tb) and ta.shape[1] == PROMPT.shape[1] + 10
+    assert hf.config.quantization_config.bits_map == json.load(
+        open(os.path.join(quantized, "config.json")))["quantization_config"]["bits_map"]
+
+
+def test_config_rejects_newer_format():
+    with pytest.raises(ValueError, match="newer than this escha supports"):
+        escha_hf.EschaConfig(bits_map={}, version=99)

@@ -1,0 +1,285 @@
+"""The model pipeline end to end on a tiny random Qwen3 checkpoint: CLI, reload, resume, errors."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from escha.cli import main as cli_main  # noqa: E402
+from escha.io import load_file  # noqa: E402
+from escha.model import (LinearStats, ModelError, QuantizeOptions, UnsupportedModelError,  # noqa: E402
+                         load_model, quantize_model, quantize_module)
+from escha.model import engine, pipeline  # noqa: E402
+from escha.model.allocate import allocate_bits, mean_bits  # noqa: E402
+from escha.nn import set_matmul_path  # noqa: E402
+
+# The greedy encoder without LDLQ keeps the CPU run to seconds; the pipeline is what is tested.
+FAST = ["--encoder", "greedy", "--no-hessian", "--seq-len", "48", "--quiet"]
+FAST_OPTS = dict(encoder="greedy", use_hessian=False, seq_len=48, progress=False)
+N_LINEARS = 14  # 2 layers x (q, k, v, o, gate, up, down)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from threads, and on a busy CI runner threads oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_tiny(path, shard: bool = True, tie: bool = False):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   vocab_size=256, max_position_embeddings=256, tie_word_embeddings=tie)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(path, max_shard_size="60KB" if shard else "1GB")
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    make_tiny(path)
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))  # sharded on purpose
+    return path
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("q") / "out")
+    assert cli_main(["quantize", tiny, out, "--bits", "2", *FAST]) == 0
+    return out
+
+
+PROMPT = torch.tensor([[3, 17, 99, 42, 7, 128]])
+
+
+def greedy(model, n=12):
+    set_matmul_path(model, "reference")  # fp32 math everywhere: the test compares weights, not kernels
+    with torch.no_grad():
+        return model.generate(PROMPT, max_new_tokens=n, do_sample=False, min_new_tokens=n)[0, PROMPT.shape[1]:]
+
+
+def test_reloaded_model_generates_like_the_in_memory_one(tiny, quantized):
+    fp = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    fp_tokens = greedy(fp)
+    mem = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    report = quantize_module(mem, QuantizeOptions(bits=2, **FAST_OPTS))
+    assert len(report.stats) == N_LINEARS
+    mem_tokens = greedy(mem)
+    loaded = load_model(quantized)
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"
+    assert torch.equal(greedy(loaded), mem_tokens)
+    # Same weights, not only the same tokens: the streaming path equals the in-memory one.
+    a, b = mem.state_dict(), loaded.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # Quantization changed the function: logits differ from the original model's.
+    with torch.no_grad():
+        assert not torch.allclose(fp(PROMPT).logits, loaded(PROMPT).logits, atol=1e-3)
+        assert torch.equal(mem(PROMPT).logits, loaded(PROMPT).logits)
+    assert fp_tokens.shape == mem_tokens.shape
+
+
+def test_output_directory_layout(tiny, quantized):
+    cfg = json.load(open(os.path.join(quantized, "config.json")))
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "escha" and qc["bits"] == 2 and qc["bpw"] == 2.0
+    assert qc["modules_to_not_convert"] == ["lm_head"]
+    assert len(qc["bits_map"]) == N_LINEARS and set(qc["bits_map"].values()) == {2}
+    assert "lm_head" not in qc["bits_map"] and qc["storage_bpw"] > 2.0
+    index = json.load(open(os.path.join(quantized, "model.safetensors.index.json")))["weight_map"]
+    assert index["model.layers.1.mlp.down_proj.trellis"] == "model-00003-of-00003.safetensors"
+    shell = load_file(os.path.join(quantized, "model-00001-of-00003.safetensors"))
+    assert shell["lm_head.weight"].dtype == torch.float32 and shell["lm_head.weight"].shape == (256, 64)
+    layer0 = load_file(os.path.join(quantized, "model-00002-of-00003.safetensors"))
+    q = layer0["model.layers.0.self_attn.q_proj"]
+    assert q.bits == 2 and q.shape == (64, 64)
+    assert "model.layers.0.input_layernorm.weight" in layer0
+    report = json.load(open(os.path.join(quantized, "escha_report.json")))
+    assert [r["layer"] for r in report["layers"]] == [0, 1]
+    assert all(0 < lin["proxy_rel"]["2"] < 2 for lin in report["linears"])
+    assert not os.path.exists(os.path.join(quantized, ".partial"))
+    assert os.path.isfile(os.path.join(quantized, "generation_config.json"))
+
+
+def test_resume_after_interruption(tiny, quantized, tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    real = pipeline.quantize_linears
+    calls = []
+
+    def interrupted(linears, hessians, layer, *a, **k):
+        calls.append(layer)
+        if layer == 1:
+            raise KeyboardInterrupt("simulated interruption")
+        return real(linears, hessians, layer, *a, **k)
+
+    monkeypatch.setattr(pipeline, "quantize_linears", interrupted)
+    opts = QuantizeOptions(bits=2, **FAST_OPTS)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(tiny, out, opts)
+    assert calls == [0, 1]
+    assert os.path.isfile(os.path.join(out, ".partial", "layer_00000.safetensors"))
+    assert not os.path.exists(os.path.join(out, "config.json"))
+
+    calls.clear()
+    monkeypatch.setattr(pipeline, "quantize_linears",
+                        lambda linears, hessians, layer, *a, **k: (calls.append(layer), real(linears, hessians, layer, *a, **k))[1])
+    report = quantize_model(tiny, out, opts)
+    assert calls == [1]  # layer 0 came from its checkpoint
+    assert report.resumed_layers == [0]
+    for shard in sorted(f for f in os.listdir(quantized) if f.endswith(".safetensors")):
+        a, b = load_file(os.path.join(quantized, shard)), load_file(os.path.join(out, shard))
+        assert set(a) == set(b)
+        for k in a:
+            ta, tb = (a[k].tensors(), b[k].tensors()) if hasattr(a[k], "tensors") else ({"": a[k]}, {"": b[k]})
+            assert all(torch.equal(ta[p], tb[p]) for p in ta), (shard, k)
+
+
+def test_partial_results_of_another_run_are_refused(tiny, tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(pipeline, "quantize_linears", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(tiny, out, QuantizeOptions(bits=2, **FAST_OPTS))
+    with pytest.raises(ModelError, match="different run.*seed"):
+        quantize_model(tiny, out, QuantizeOptions(bits=2, seed=1, **FAST_OPTS))
+
+
+def test_bpw_allocation_end_to_end(tiny, tmp_path):
+    out = str(tmp_path / "out")
+    report = quantize_model(tiny, out, QuantizeOptions(bpw=2.5, **FAST_OPTS))
+    bits = report.bits_map
+    assert set(bits.values()) == {2, 3}
+    assert 2.0 < report.mean_bits <= 2.5
+    qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert qc["bits_map"] == bits and qc["bits"] is None and abs(qc["bpw"] - report.mean_bits) < 1e-3
+    model = load_model(out)
+    for name, k in bits.items():
+        assert model.get_submodule(name).qweight.bits == k
+    # K=3 lowers every Linear's measured error.
+    assert all(s.proxy[3] < s.proxy[2] for s in report.stats)
+
+
+def _stat(name, params, l2, l3):
+    s = LinearStats(name, 0, (params, 1))
+    s.proxy = {2: l2, 3: l3}
+    return s
+
+
+def test_allocate_bits_is_greedy_by_gain_per_bit():
+    stats = [_stat("a", 100, 10.0, 1.0),   # gain 0.09 per bit
+             _stat("b", 100, 2.0, 1.9),    # gain 0.001
+             _stat("c", 50, 5.0, 1.0),     # gain 0.08
+             _stat("d", 250, 30.0, 5.0)]   # gain 0.1, but too big for the budget
+    choice = allocate_bits(stats, 2.4)  # 0.4 * 500 = 200 extra bits
+    assert choice == {"a": 3, "b": 2, "c": 3, "d": 2}
+    assert mean_bits(stats, choice) == pytest.approx(2.3)
+    assert allocate_bits(stats, 3.0) == {"a": 3, "b": 3, "c": 3, "d": 3}
+    assert set(allocate_bits(stats, 2.0).values()) == {2}
+
+
+def test_hessian_reaches_the_encoder(tiny, monkeypatch):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    seen = {}
+    real = engine.quant.quantize
+
+    def spy(w, bits, hessian=None, seed=0, **kw):
+        seen.setdefault(w.shape, hessian)
+        return real(w, bits=bits, hessian=None, seed=seed, encoder="greedy")
+
+    monkeypatch.setattr(engine.quant, "quantize", spy)
+    # Reference Hessian of layer 0's q_proj from the unquantized model on the same samples.
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    xs = []
+    h = ref_model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, 64)))
+    from escha.model.calib import BUILTIN_TEXT, tokenize
+    toks = tokenize(list(BUILTIN_TEXT), None, 256, True, 48, 32)
+    with torch.no_grad():
+        for ids in toks.samples:
+            ref_model(ids)
+    h.remove()
+    x = torch.cat(xs).float()
+    want = x.T @ x / x.shape[0]
+    report = quantize_module(model, QuantizeOptions(bits=2, seq_len=48, progress=False))
+    got = seen[(64, 64)]
+    assert got is not None and got.shape == (64, 64)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert report.hessian.startswith("used")
+
+
+def test_encoder_refusing_a_hessian_falls_back(tiny, monkeypatch):
+    real = engine.quant.quantize
+
+    def refusing(w, bits, hessian=None, seed=0, **kw):
+        if hessian is not None:
+            raise NotImplementedError("no Hessian support")
+        return real(w, bits=bits, seed=seed, encoder="greedy")
+
+    monkeypatch.setattr(engine.quant, "quantize", refusing)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+    report = quantize_module(model, QuantizeOptions(bits=2, seq_len=48, progress=False))
+    assert report.hessian.startswith("fallback")
+    assert all(s.hessian == "fallback" for s in report.stats)
+
+
+# -- bad input --------------------------------------------------------------------------------
+def test_missing_model_dir_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        quantize_model(str(tmp_path / "nope"), str(tmp_path / "out"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="no config.json"):
+        quantize_model(str(tmp_path / "empty"), str(tmp_path / "out"))
+
+
+def test_missing_shard(tiny, tmp_path):
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    shard = json.load(open(bad / "model.safetensors.index.json"))["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    os.unlink(bad / shard)
+    with pytest.raises(FileNotFoundError, match=f"missing: .*{shard}"):
+        quantize_model(str(bad), str(tmp_path / "out"))
+
+
+def test_non_2d_weight_and_missing_tensor(tmp_path):
+    from safetensors.torch import load_file as st_load, save_file as st_save
+    src = tmp_path / "src"
+    make_tiny(str(src), shard=False)
+    tensors = st_load(str(src / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"].reshape(64, 8, 8)
+    st_save(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"q_proj.weight' has shape \[64, 8, 8\] but the model expects \[64, 64\]"):
+        quantize_model(str(src), str(tmp_path / "out"), QuantizeOptions(**FAST_OPTS))
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    st_save(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="no tensor for 'model.layers.0.self_attn.q_proj.weight'"):
+        quantize_model(str(src), str(tmp_path / "out"), QuantizeOptions(**FAST_OPTS))
+
+
+def test_unsupported_architecture_and_options(tiny, tmp_path):
+    import shutil
+    bad = tmp_path / "arch"
+    shutil.copytree(tiny, bad)
+    cfg = json.load(open(bad / "config.json"))
+    cfg["architectures"] = ["FooBarForCausalLM"]
+    json.dump(cfg, open(bad / "config.json", "w"))
+    with pytest.raises(UnsupportedModelError, match="FooBarForCausalLM"):
+        quantize_model(str(bad), str(tmp_path / "out"))
+    with pytest.raises(ModelError, match="--bpw must lie in"):
+        QuantizeOptions(bpw=1.5)
+    with pytest.raises(ModelError, match="--bits must be one of"):
+        QuantizeOptions(bits=4)
+
+
+def test_cli_reports_errors_and_refuses_a_full_out_dir(tiny, quantized, tmp_path, capsys):
+    assert cli_main(["quantize", str(tmp_path / "missing"), str(tmp_path / "o"), *FAST]) == 2
+    assert "model directory not found" in capsys.readouterr().err
+    assert cli_main(["quantize", tiny, quantized, *FAST]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["quantize", tiny, str(tmp_path / "o"), "--bits", "2", "--bpw", "2.5"])

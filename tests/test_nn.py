@@ -1,0 +1,111 @@
+"""EschaLinear: numerics against nn.Linear / the dequantized weight, buffers, moves and errors."""
+import pytest
+import torch
+from torch import nn
+
+import escha
+from escha.format import random_qweight
+from escha.nn import EschaLinear
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from threads, and on a busy CI runner threads oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _ref(x, qw, bias):
+    return x.double() @ escha.dequantize(qw).double().T + (0 if bias is None else bias.double())
+
+
+def _rel_rms(y, want):
+    return float((y.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+
+
+# escha.matmul may run fp8 GEMM operands (its default precision), so outputs match the
+# dequantized weight to fp8 accuracy, not to fp32 accuracy.
+FP8_REL = 2e-2
+
+
+@pytest.mark.parametrize("shape", [(70, 200), (128, 128), (257, 33)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_forward_matches_dequantized_weight(shape, with_bias):
+    out_f, in_f = shape
+    qw = random_qweight(out_f, in_f, bits=2, seed=3)
+    bias = torch.randn(out_f) if with_bias else None
+    mod = EschaLinear.from_quantized(qw, bias)
+    assert (mod.in_features, mod.out_features) == (in_f, out_f)
+    x = torch.randn(2, 5, in_f)
+    y = mod(x)
+    assert y.shape == (2, 5, out_f) and y.dtype == torch.float32
+    # Exactly escha.matmul plus the bias...
+    direct = escha.matmul(x, qw) + (0 if bias is None else bias)
+    assert torch.equal(y, direct)
+    # ...which is x @ W_hat^T to the matmul's precision.
+    assert _rel_rms(y, _ref(x, qw, bias)) < FP8_REL
+
+
+def test_from_linear_matches_nn_linear_up_to_quantization():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40)
+    mod = EschaLinear.from_linear(lin, bits=3, seed=1, encoder="greedy")
+    assert torch.equal(mod.bias, lin.bias.detach())
+    x = torch.randn(64, 96)
+    y = mod(x)
+    # Exactly the dequantized weight plus the original bias...
+    want = x.double() @ mod.dequantized_weight().double().T + lin.bias.detach().double()
+    assert _rel_rms(y, want) < FP8_REL
+    # ...and close to nn.Linear: a K=3 trellis keeps the output error well below the signal.
+    ref = lin(x).detach()
+    rel = float((y - ref).pow(2).sum() / (ref - lin.bias.detach()).pow(2).sum())
+    assert rel < 0.5
+    assert mod.bits == 3 and mod.qweight.bits == 3
+
+
+def test_buffers_keep_format_dtypes_under_casts():
+    mod = EschaLinear.from_quantized(random_qweight(64, 128, 2, seed=0), torch.randn(64))
+    mod.to(torch.bfloat16)
+    assert mod.scale.dtype == torch.float16 and mod.gscale.dtype == torch.float32
+    assert mod.trellis.dtype == torch.int32 and mod.bias.dtype == torch.bfloat16
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert mod(x).dtype == torch.bfloat16
+    mod.half()
+    assert mod.scale.dtype == torch.float16 and mod.bias.dtype == torch.float16
+
+
+def test_state_dict_round_trip_through_meta_skeleton():
+    src = EschaLinear.from_quantized(random_qweight(48, 160, 3, seed=5), torch.randn(48))
+    sd = src.state_dict()
+    assert set(sd) == {"bias", "trellis", "su", "sv", "scale", "gscale"}
+    with torch.device("meta"):
+        dst = EschaLinear(160, 48, bias=True, bits=3)
+    dst = dst.to_empty(device="cpu")
+    dst.load_state_dict(sd)
+    x = torch.randn(4, 160)
+    assert torch.equal(dst(x), src(x))
+
+
+def test_loaded_buffers_refresh_the_cached_weight():
+    a = EschaLinear.from_quantized(random_qweight(32, 64, 2, seed=1))
+    b = EschaLinear.from_quantized(random_qweight(32, 64, 2, seed=2))
+    x = torch.randn(2, 64)
+    ya = a(x)
+    a.load_state_dict(b.state_dict())  # in-place copies into the same buffers
+    assert torch.equal(a(x), b(x)) and not torch.equal(a(x), ya)
+
+
+def test_errors_are_clear():
+    qw = random_qweight(32, 64, 2, seed=0)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        EschaLinear.from_quantized(qw, torch.zeros(31))
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        EschaLinear.from_quantized(torch.zeros(32, 64))
+    with pytest.raises(TypeError, match="nn.Linear"):
+        EschaLinear.from_linear(nn.Conv1d(3, 3, 1))
+    with pytest.raises(ValueError, match="inner dimension"):
+        EschaLinear.from_quantized(qw)(torch.randn(2, 63))
+    with pytest.raises(ValueError, match="2-D"):
+        escha.quantize(torch.randn(4, 8, 8), bits=2)
