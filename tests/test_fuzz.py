@@ -15,15 +15,23 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import escha
-from escha.format import random_qweight
+from escha.format import decode_trellis, input_transform, random_qweight, row_scale
+from escha.format.spec import HAD_BLOCK
 from escha.ops import Path, resolve_path
 
 PRIMES = [p for p in range(2, 601) if all(p % d for d in range(2, int(p ** 0.5) + 1))]
 DIM = st.one_of(st.integers(1, 600), st.sampled_from(PRIMES))
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8]
-# Relative Frobenius error allowed per path (docs/KERNELS.md, tolerance table).
+# Relative Frobenius error allowed per path (docs/KERNELS.md, tolerance table). These are
+# statistical bounds: rounding errors average over the output's elements.
 TOL = {Path.REFERENCE: 1e-5, Path.DECODE: 1e-2, Path.DEQUANT_BF16: 2e-2,
        Path.PREFILL: 8e-2, Path.DEQUANT_FP8: 8e-2}
+# A few output elements can cancel (y near 0), where no relative bound holds; there the worst-case
+# operand-rounding bound applies instead: every product term carries at most U relative error,
+# so |dy| <= U * |r| |Hn| |T| |x'|  (componentwise; docs/KERNELS.md, "Small outputs").
+U = {Path.REFERENCE: 0.0, Path.DECODE: 2**-10, Path.DEQUANT_BF16: 2**-7 + 2**-8,
+     Path.PREFILL: 2**-3 + 2**-7, Path.DEQUANT_FP8: 2**-3 + 2**-7}
+OUT_U = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24}
 
 summary: collections.Counter = collections.Counter()
 
@@ -46,10 +54,22 @@ def check_case(out: int, inp: int, m: int, dtype: torch.dtype, bits: int, path: 
     assert y.shape == (m, out) and y.dtype == dtype
     ran = resolve_path(m, x.device, qw.codebook_id, path)
     ref = x.double() @ escha.dequantize(qw).double().T
-    rel = float((y.double() - ref).norm() / ref.norm())
+    err = float((y.double() - ref).norm())
+    rel = err / float(ref.norm())
     tol = max(TOL[ran], 2e-3 if dtype == torch.float16 else 1e-2 if dtype == torch.bfloat16 else 0)
-    assert rel <= tol, f"{ran} {out}x{inp} M={m} {dtype} K={bits}: relative error {rel:.3e} > {tol}"
+    bound = U[ran] * float(magnitude(x, qw).norm()) + 2 * OUT_U[dtype] * float(ref.norm())
+    assert rel <= tol or err <= bound, (f"{ran} {out}x{inp} M={m} {dtype} K={bits}: relative error "
+                                        f"{rel:.3e} > {tol} and absolute {err:.3e} > bound {bound:.3e}")
     return f"pass:{ran.value}"
+
+
+def magnitude(x: torch.Tensor, qw) -> torch.Tensor:
+    """|r| |Hn| |T| |x'|: the sum of the absolute product terms behind each output (float64)."""
+    xp = input_transform(x.double(), qw).double().abs()  # |x'| [m, Kp]
+    z = xp @ decode_trellis(qw).double().abs().T  # |x'| |T|^T  [m, Np]
+    # |Hn| is blockdiag(ones(128, 128)) / sqrt(128): block sums.
+    zb = z.unflatten(-1, (-1, HAD_BLOCK)).sum(-1, keepdim=True).expand(-1, -1, HAD_BLOCK).flatten(-2)
+    return (zb / HAD_BLOCK ** 0.5 * row_scale(qw).double().abs())[:, : qw.out_features]
 
 
 CASE = dict(out=DIM, inp=DIM, m=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
