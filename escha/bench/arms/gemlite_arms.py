@@ -91,7 +91,8 @@ class GemliteMxfp4(Arm):
         quantizer = WeightQuantizerMXFP(compute_dtype=torch.float16, device=str(device))
         q, s = quantizer.quantize_mxfp4(w, index=True)
         q, s = q.view(N, K), s.view(N, K // MX_GROUP)
-        w_ref = quantizer.dequantize(q, s, shape=(N, K), dtype=torch.float16)
+        # gemlite's dequantize broadcasts a [groups, 1] scale over [groups, 32] values.
+        w_ref = quantizer.dequantize(q, s.reshape(-1, 1), shape=(N, K), dtype=torch.float16)
         layer = helper.A16W4_MXFP(device=device, dtype=torch.float16).from_weights(q, s)
         return GemliteState(layer, w_ref)
 
