@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import torch
 
 RATE_DISTORTION = {1: 0.25, 2: 0.0625, 3: 0.015625, 4: 0.00390625}  # D(R) = 2**(-2R), unit Gaussian
 
 
-def sample_matrix(out_features: int = 256, in_features: int = 512, seed: int = 0) -> torch.Tensor:
+def sample_matrix(out_features: int = 128, in_features: int = 256, seed: int = 0) -> torch.Tensor:
     """The built-in sample: an i.i.d. unit Gaussian matrix, for which the rate-distortion bound is known."""
     return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
 
@@ -37,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
     x = torch.randn(args.m, args.in_features, generator=torch.Generator().manual_seed(args.seed + 1))
     x = x.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float16)
     path = resolve_path(args.m, x.device, qd.codebook_id)
-    y = escha.matmul(x, qd)
+    with warnings.catch_warnings():
+        # Triton's CPU interpreter casts masked-off lanes too and warns about their NaNs.
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+        y = escha.matmul(x, qd)
     ref = matmul_reference(x.float(), qd)
     rel = float((y.float() - ref).norm() / ref.norm())
     # fp8 operands (prefill paths) carry ~2**-4 relative rounding, bf16 2**-8, fp16 2**-11;
@@ -54,8 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="quantize a built-in sample matrix and check escha.matmul",
                        description=run.__doc__)
     p.add_argument("--bits", type=int, default=2, choices=(1, 2, 3, 4))
-    p.add_argument("--out-features", type=int, default=256)
-    p.add_argument("--in-features", type=int, default=512)
+    # 128 tiles: about a minute for the exact Viterbi encoder on a 2-core CPU, instant on a GPU.
+    p.add_argument("--out-features", type=int, default=128)
+    p.add_argument("--in-features", type=int, default=256)
     p.add_argument("--m", type=int, default=8, help="activation rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--encoder", choices=("viterbi", "greedy"), default="viterbi",
