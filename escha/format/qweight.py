@@ -41,10 +41,12 @@ class QuantizedWeight:
     # -- derived properties -------------------------------------------------------------
     @property
     def out_features(self) -> int:
+        """Rows of the original weight (output channels)."""
         return self.shape[0]
 
     @property
     def in_features(self) -> int:
+        """Columns of the original weight (input channels)."""
         return self.shape[1]
 
     @property
@@ -54,10 +56,12 @@ class QuantizedWeight:
 
     @property
     def codebook(self) -> codebooks.Codebook:
+        """The registered codebook this weight's states decode through."""
         return codebooks.get(self.codebook_id)
 
     @property
     def device(self) -> torch.device:
+        """The device holding every tensor of the weight."""
         return self.trellis.device
 
     @property

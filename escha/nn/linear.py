@@ -109,6 +109,7 @@ class EschaLinear(nn.Module):
         return self.qweight.bits_per_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul."""
         qw = self.qweight
         y = ops.matmul(x, qw) if self.path is None else ops.matmul(x, qw, path=self.path)
         if self.bias is not None:
