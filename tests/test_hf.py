@@ -15,13 +15,7 @@ from escha.nn import EschaLinear, set_matmul_path  # noqa: E402
 PROMPT = torch.tensor([[5, 9, 200, 31, 64]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads, and on a busy CI runner threads oversubscribe."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,7 @@ FAST_OPTS = dict(encoder="greedy", use_hessian=False, seq_len=48, progress=False
 N_LINEARS = 14  # 2 layers x (q, k, v, o, gate, up, down)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads, and on a busy CI runner threads oversubscribe."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_tiny(path, shard: bool = True, tie: bool = False):
