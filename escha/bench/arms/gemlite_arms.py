@@ -35,7 +35,23 @@ class GemliteState:
     w_ref: torch.Tensor  # fp16 dequantized weights [N, K], rebuilt into fp32 by the reference
 
 
-class GemliteInt(Arm):
+class _GemliteArm(Arm):
+    """What every gemlite arm shares: fp16 activations, the layer's call, a dense reference."""
+
+    def unavailable(self) -> str | None:
+        return _gemlite_missing()
+
+    def make_input(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
+        return x.half()
+
+    def run(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
+        return state.layer(x)
+
+    def reference(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ state.w_ref.float().t()
+
+
+class GemliteInt(_GemliteArm):
     """A16Wn integer weights, asymmetric (W = (q - zero) * scale) with one scale/zero per group."""
 
     meta = ArmMeta(weight_bits=4.0)
@@ -45,9 +61,6 @@ class GemliteInt(Arm):
         self.name = f"gemlite-w{bits}"
         # fp16 scale and zero per group of INT_GROUP weights
         self.meta = ArmMeta(weight_bits=bits + 32.0 / INT_GROUP)
-
-    def unavailable(self) -> str | None:
-        return _gemlite_missing()
 
     def prepare(self, N: int, K: int, M: int, device: torch.device | str) -> GemliteState:
         from gemlite import helper
@@ -64,24 +77,13 @@ class GemliteInt(Arm):
         layer = proc(device=device).from_weights(q, scale, zero)
         return GemliteState(layer, w_ref)
 
-    def make_input(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
-        return x.half()
-
-    def run(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
-        return state.layer(x)
-
-    def reference(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ state.w_ref.float().t()
 
 
-class GemliteMxfp4(Arm):
+class GemliteMxfp4(_GemliteArm):
     """A16W4 MXFP4: e2m1 weights with an e8m0 scale per 32, quantized by gemlite's own quantizer."""
 
     name = "gemlite-mxfp4"
     meta = ArmMeta(weight_bits=4.0 + 8.0 / MX_GROUP)
-
-    def unavailable(self) -> str | None:
-        return _gemlite_missing()
 
     def prepare(self, N: int, K: int, M: int, device: torch.device | str) -> GemliteState:
         from gemlite import helper
@@ -96,11 +98,3 @@ class GemliteMxfp4(Arm):
         layer = helper.A16W4_MXFP(device=device, dtype=torch.float16).from_weights(q, s)
         return GemliteState(layer, w_ref)
 
-    def make_input(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
-        return x.half()
-
-    def run(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
-        return state.layer(x)
-
-    def reference(self, state: GemliteState, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ state.w_ref.float().t()
