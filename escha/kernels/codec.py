@@ -15,7 +15,9 @@ Two implementations of each step, selected by a constexpr in the calling kernel:
 from __future__ import annotations
 
 import enum
+import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -32,6 +34,13 @@ class CodecPath(enum.Enum):
 
     TRITON = "triton"  # portable Triton ops; the only path under TRITON_INTERPRET=1
     PTX = "ptx"  # inline PTX (NVIDIA only)
+
+
+def default_codec_path(device: torch.device) -> CodecPath:
+    """PTX on NVIDIA GPUs; the pure-Triton codec elsewhere (and always under the interpreter)."""
+    if device.type == "cuda" and torch.version.cuda is not None and os.environ.get("TRITON_INTERPRET") != "1":
+        return CodecPath.PTX
+    return CodecPath.TRITON
 
 
 @triton.jit

@@ -19,8 +19,7 @@ operands), with an fp32 output.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,7 +27,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
-from .codec import Ablation, CodecPath, decode_block, decode_block_pairs, round_to
+from .codec import Ablation, CodecPath, decode_block, decode_block_pairs, default_codec_path, round_to
 from .splitk import decode_split_k
 from .transforms import hadamard_input, hadamard_output, hadamard_pm1, row_scale_block
 
@@ -97,12 +96,6 @@ class DecodeConfig:
     pair_hi_mul: bool = True  # paired PTX: first state by IMAD.HI (FMA pipe) instead of SHF (ALU pipe)
 
 
-def _default_codec(device: torch.device) -> CodecPath:
-    if device.type == "cuda" and torch.version.cuda is not None and os.environ.get("TRITON_INTERPRET") != "1":
-        return CodecPath.PTX
-    return CodecPath.TRITON
-
-
 def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeConfig:
     """The rule that picks the decode configuration for ``qw`` at ``m`` tokens.
 
@@ -123,7 +116,7 @@ def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = Non
     block_n = 64
     split = decode_split_k(np_ // 128, kp // TILE)  # the rule was fitted in units of 128-row blocks
     return DecodeConfig(block_n=block_n, block_kt=8, block_m=max(16, triton.next_power_of_2(m)), split=split,
-                        num_warps=4, num_stages=1, codec=_default_codec(device), fuse_output=split == 1,
+                        num_warps=4, num_stages=1, codec=default_codec_path(device), fuse_output=split == 1,
                         pair_columns=False, pair_hi_mul=True)
 
 

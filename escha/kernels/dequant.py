@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import TILE
-from .codec import CodecPath, decode_block, round_to
+from .codec import CodecPath, decode_block, default_codec_path, round_to
 
 #: e4m3 scale: fp8 = T * FP8_SCALE; the dequant multiplier returned is 1 / FP8_SCALE.
 FP8_SCALE = 64.0
@@ -41,14 +41,6 @@ def _dequant_kernel(tr_ptr, out_ptr, KT, stride_on, SCALE: tl.constexpr, BITS: t
     # nearest-even, written out in integer ops (codec.round_to) so GPU and interpreter agree.
     v = v.to(tl.float32) * SCALE
     tl.store(ptrs, round_to(v, out_ptr.dtype.element_ty))
-
-
-def default_codec_path(device: torch.device) -> CodecPath:
-    """PTX on NVIDIA GPUs; the pure-Triton codec elsewhere (and always under the interpreter)."""
-    import os
-    if device.type == "cuda" and torch.version.cuda is not None and os.environ.get("TRITON_INTERPRET") != "1":
-        return CodecPath.PTX
-    return CodecPath.TRITON
 
 
 def dequantize_core(qw: QuantizedWeight, dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None,
