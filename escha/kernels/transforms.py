@@ -52,7 +52,7 @@ def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
 @triton.jit
 def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            PAIR_ORDER: tl.constexpr = False):
+                            PAIR_ORDER: tl.constexpr = False, MMA_ORDER: tl.constexpr = False):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
     PAIR_ORDER stores column 16t + c + 8j at position 16t + 2c + j (codec.decode_block_pairs'
@@ -87,13 +87,20 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm,
     if PAIR_ORDER:
         q = k % 16
         dst = k - q + 2 * (q % 8) + q // 8
+    elif MMA_ORDER:
+        # decode_wgmma's k order: T column 16 q + c of a 128-block sits at MMA column
+        # 16 (c % 8) + 8 (q % 2) + 2 (q // 2) + c // 8 (decode_wgmma.mma_column_order's inverse).
+        q = j // 16
+        c = j % 16
+        dst = b * 128 + 16 * (c % 8) + 8 * (q % 2) + 2 * (q // 2) + c // 8
     else:
         dst = k
     tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
 
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | None = None,
-                   inv_scale: torch.Tensor | None = None, pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   inv_scale: torch.Tensor | None = None, pair_order: bool = False,
+                   mma_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
@@ -113,6 +120,7 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | N
     _input_transform_kernel[grid](x2d, qw.sv, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),
                                   CH=ch, AMAX_BLOCK=1024,
                                   AMAX_STEPS=triton.cdiv(qw.in_features, 1024), PAIR_ORDER=pair_order,
+                                  MMA_ORDER=mma_order,
                                   num_warps=4)
     return out, inv_scale
 

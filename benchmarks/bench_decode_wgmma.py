@@ -1,0 +1,153 @@
+"""Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
+
+    python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256]
+
+Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
+reference codec, the GEMM against an fp64 reference within the decode tolerance table. Timing:
+weights rotated over >= 4x L2, one CUDA graph per arm calling it once per weight, device events,
+rounds interleaved across arms, median over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+
+from escha.bench.cuda_timing import GraphTimer
+from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
+from escha.kernels import decode_matmul
+from escha.kernels.decode_wgmma import (DecodeWgmmaConfig, decode_wgmma, decode_wgmma_config, decoded_fragments,
+                                        mma_order_core, pack_words)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import env_info  # noqa: E402
+
+SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336)}
+TOL = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
+       torch.float32: 2 * (2.0**-24 + 2.0**-11)}
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def gate_fragments(log) -> bool:
+    ok = True
+    for bits in (2, 3):
+        for out_f, in_f in ((128, 128), (300, 520), (17408, 5120)):
+            qw = random_qweight(out_f, in_f, bits=bits, seed=out_f + bits, device="cuda")
+            got = decoded_fragments(qw)
+            want = mma_order_core(decode_trellis(qw).to(torch.float16))
+            same = torch.equal(got.view(torch.int16), want.view(torch.int16))
+            ok &= same
+            log(f"fragments K={bits} {out_f}x{in_f}: {'bit-exact' if same else 'MISMATCH'}"
+                + ("" if same else f" ({int((got.view(torch.int16) != want.view(torch.int16)).sum())} differ)"))
+    return ok
+
+
+def gate_gemm(qw: QuantizedWeight, w_ref: torch.Tensor, m: int, dtype: torch.dtype, words, cfg=None) -> float:
+    """Relative error of one fresh random product against fp64 (output poisoned by a fresh alloc)."""
+    x = torch.randn(m, qw.in_features, device="cuda", dtype=dtype)
+    ref = x.double() @ w_ref.T
+    y = decode_wgmma(x, qw, config=cfg, words=words)
+    if not torch.isfinite(y).all():
+        return float("nan")
+    return rel_err(y, ref)
+
+
+def weights(out_f: int, in_f: int, min_bytes: float, seed: int) -> list[QuantizedWeight]:
+    base = random_qweight(out_f, in_f, bits=2, seed=seed, device="cuda")
+    n = max(2, -(-int(min_bytes) // (base.trellis.numel() * 4)))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ws = [base]
+    for _ in range(n - 1):
+        tr = torch.randint(-2**31, 2**31, base.trellis.shape, generator=g, device="cuda", dtype=torch.int64).to(torch.int32)
+        ws.append(QuantizedWeight(tr, base.su, base.sv, base.scale, base.gscale, base.shape, 2))
+    return ws
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ms", default="1,8,16,40,64,128,256")
+    ap.add_argument("--shapes", default="gate_up,down")
+    ap.add_argument("--variants", action="store_true", help="also time stage/split variants")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    lines: list[str] = []
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    env = env_info()
+    log(json.dumps(env))
+    results = {"env": env, "gates": {}, "points": []}
+    try:
+        results["gates"]["fragments"] = gate_fragments(log)
+    except Exception:
+        log(traceback.format_exc())
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    timer = GraphTimer(replays=10)
+    for name in args.shapes.split(","):
+        out_f, in_f = SHAPES[name]
+        ws = weights(out_f, in_f, 4 * l2 / 2, seed=len(name))  # packed words are 2x the trellis
+        words = [pack_words(w) for w in ws]
+        w_ref = dequantize(ws[0]).double()
+        dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(max(2, -(-4 * l2 // (out_f * in_f * 2))))]
+        for m in [int(v) for v in args.ms.split(",")]:
+            point = {"shape": name, "N": out_f, "K": in_f, "M": m}
+            try:
+                for dt in (torch.bfloat16, torch.float16, torch.float32):
+                    e = gate_gemm(ws[0], w_ref, m, dt, words[0])
+                    point[f"err_{str(dt)[6:]}"] = e
+                    if not e <= TOL[dt]:
+                        log(f"GATE FAIL {name} M={m} {dt}: {e:.3e} > {TOL[dt]:.3e}")
+                xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                cfg = decode_wgmma_config(ws[0], m)
+                arms = {
+                    "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
+                    "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i], config=cfg, words=words[i]), len(ws)),
+                }
+                if m <= 64:
+                    arms["portable"] = (lambda i: decode_matmul(xs[i % 2], ws[i]), len(ws))
+                if args.variants:
+                    for st in (2, 4):
+                        c2 = DecodeWgmmaConfig(cfg.block_tokens, cfg.split, st)
+                        arms[f"wgmma_st{st}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2, words=words[i]), len(ws))
+                    for sp in sorted({max(1, cfg.split // 2), cfg.split * 2, 1}):
+                        if sp != cfg.split:
+                            c2 = DecodeWgmmaConfig(cfg.block_tokens, sp, cfg.stages)
+                            arms[f"wgmma_split{sp}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2, words=words[i]), len(ws))
+                samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
+                times = {k: [] for k in samplers}
+                for _ in range(args.rounds):
+                    for k, s in samplers.items():
+                        times[k].append(s.sample())
+                med = {k: statistics.median(v) for k, v in times.items()}
+                point["us"] = med
+                point["config"] = {"block_tokens": cfg.block_tokens, "split": cfg.split, "stages": cfg.stages}
+                log(f"{name} M={m:4d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())
+                    + f"  wgmma/bf16 {med['wgmma'] / med['cublas_bf16']:.3f}  err_bf16 {point['err_bfloat16']:.2e}")
+                del samplers
+            except Exception:
+                log(f"{name} M={m}: " + traceback.format_exc())
+            results["points"].append(point)
+            with open(os.path.join(args.out, "decode_wgmma.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        del ws, words, w_ref, dense_rot
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "decode_wgmma.log"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""Decode GEMM for Hopper: the trellis decoded straight into wgmma's register A operand.
+
+    z^T [64 weight rows, tokens] += T_blk [64, 128] @ x'^T [128, tokens]     (one warpgroup)
+
+Swap AB as in the portable kernel (decode.py): weight rows fill the wgmma M dimension (64 per
+warpgroup), tokens its N dimension (8..256), the activations x' come from shared memory (TMA,
+a ring of STAGES buffers). Unlike the portable kernel, the decoded weights never leave the
+registers: every thread decodes exactly the fp16 values of its own A fragment and the
+``wgmma.mma_async`` reads them from registers.
+
+Layout (docs/KERNELS.md, "Register-operand decode"). The A fragment of m64n*k16 (fp16) gives a
+thread of warp w, lane 4g + t the rows {16w + g, 16w + g + 8} and, in each 16-wide k step s,
+the columns {2t, 2t + 1, 2t + 8, 2t + 9}. The MMA's k order inside a 128-block is ours to choose
+(the input transform stores x' in the same order, and a permutation of the sum changes
+nothing), so it is chosen to make the fragment decodable:
+
+    MMA column kk = 16 s + 8 h + 2 t + e   holds   T column 16 (2t + h) + s + 8 e
+
+i.e. thread t owns all 16 columns of tiles 2t and 2t + 1 of the block, for its two rows. A tile
+row is one 16-weight window sequence, so the thread needs just two 64-bit row windows per tile
+row (``pack_words``), and register pairs (e = 0, 1) hold columns s and s + 8, which at K = 2 are
+the high and low halves of one funnel shift (``_pair_values``).
+
+Words are repacked once per weight (``pack_words``: 64 bits per tile row, 2x the trellis at
+K = 2, 1.33x at K = 3) so that a thread's words are two 16-byte loads, fetched one loop step
+ahead of their use.
+
+Output: fp32 partials [split, M, Np] for ``transforms.hadamard_output`` (sum in fixed order, Hn,
+row scales), as the portable kernel's split path; no atomics, so results are bitwise
+reproducible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..format.bitstream import words_to_u64
+from ..format.qweight import QuantizedWeight
+from ..format.spec import HAD_BLOCK, TILE, words_per_tile
+from .splitk import decode_split_k
+from .transforms import hadamard_input, hadamard_output
+
+ROWS = 64  # weight rows per warpgroup (wgmma M)
+BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
+WORDS_PER_STEP = ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per 16 weights -> 1024 words
+MAX_TOKENS = 256  # wgmma N
+SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
+# A step's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
+WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def x_smem_layout(block_tokens: int) -> gl.NVMMASharedLayout:
+    """Shared layout of an activation tile [block_tokens, 128] fp16 (wgmma's B operand, K-major)."""
+    return gl.NVMMASharedLayout.get_default_for([block_tokens, BLOCK_K], gl.float16)
+
+
+# -- the in-memory layout ---------------------------------------------------------------------
+
+def row_windows(trellis: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [Np/16, Kp/16, 16, 2]: for each tile row r, stream bits [16 K r, 16 K r + 64).
+
+    The state of column c of row r is (v >> (48 - K c)) & 0xFFFF with v = (hi << 32) | lo, for
+    every c in 0..15 when K <= 3 (docs/FORMAT.md section 2: the stream is read cyclically).
+    """
+    nw = words_per_tile(bits)
+    u = words_to_u64(trellis)  # [TN, TK, nw]
+    start = 16 * bits * torch.arange(TILE, device=trellis.device)  # first bit of each row
+    q, o = start // 32, start % 32
+    idx = (q[:, None] + torch.arange(3, device=trellis.device)[None, :]) % nw  # [16, 3]
+    w = u[:, :, idx]  # [TN, TK, 16, 3] the three words covering bits [start, start + 64 + o)
+    o = o[None, None, :]
+    hi = ((w[..., 0] << o) | (w[..., 1] >> (32 - o))) & 0xFFFFFFFF
+    lo = ((w[..., 1] << o) | (w[..., 2] >> (32 - o))) & 0xFFFFFFFF
+    v = torch.stack([hi, lo], dim=-1)
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def pack_words(qw: QuantizedWeight) -> torch.Tensor:
+    """The weight's words in the kernel's load order: int32 [Np/64, Kp/128, 1024].
+
+    Within a (64-row block, 128-column block) the 1024 words are ordered
+    [warp w (4), row half mh (2), lane 4g + t (32), tile half h (2), hi/lo (2)]: lane (g, t) of
+    warp w holds the windows of tile rows g + 8 mh of the 16-row tile 4 nb + w, in tiles
+    2t + h of the column block, so each thread's words are two aligned 16-byte loads and each
+    load instruction of a warp reads 512 contiguous bytes.
+    """
+    if qw.bits not in SUPPORTED_BITS:
+        raise ValueError(f"the register-operand decode handles K in {SUPPORTED_BITS}, got K={qw.bits}")
+    v = row_windows(qw.trellis, qw.bits)  # [TN, TK, 16, 2]
+    tn, tk = v.shape[:2]
+    # tn = 4 nb + w; tk = 8 kb + 2 t + h; row = 8 mh + g
+    v = v.reshape(tn // 4, 4, tk // 8, 4, 2, 2, 8, 2)  # nb, w, kb, t, h, mh, g, j
+    v = v.permute(0, 2, 1, 5, 6, 3, 4, 7)  # nb, kb, w, mh, g, t, h, j
+    return v.reshape(tn // 4, tk // 8, WORDS_PER_STEP).contiguous()
+
+
+def mma_column_order(device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [128]: the T column (within a 128-block) that MMA column kk multiplies."""
+    kk = torch.arange(BLOCK_K, device=device)
+    s, h, t, e = kk // 16, (kk // 8) % 2, (kk // 2) % 4, kk % 2
+    return 16 * (2 * t + h) + s + 8 * e
+
+
+# -- device code ------------------------------------------------------------------------------
+
+@gluon.constexpr_function
+def _axis_layout(parent, rank, axis):
+    """The 1-D layout that expands (expand_dims on every other axis) to ``axis`` of ``parent``."""
+    layout = parent
+    for ax in reversed(range(rank)):
+        if ax != axis:
+            layout = gl.SliceLayout(ax, layout)
+    return layout
+
+
+@gluon.jit
+def _iota(N: gl.constexpr, AXIS: gl.constexpr, RANK: gl.constexpr, PARENT: gl.constexpr):
+    """arange(N) along AXIS of a RANK-d tensor in layout PARENT (size 1 on the other axes)."""
+    x = gl.arange(0, N, layout=_axis_layout(PARENT, RANK, AXIS))
+    for ax in gl.static_range(RANK):
+        if ax != AXIS:
+            x = gl.expand_dims(x, ax)
+    return x
+
+
+@gluon.jit
+def _pair_values(t):
+    """fp16 3INST values of columns c and c + 8 of a K=2 tile row, t = funnel(hi, lo, 2c).
+
+    t's high half is the state of column c and its low half the state of column c + 8. The
+    second state's LCG value is derived with mads on the FMA pipe instead of extracting it:
+    t*MUL + ADD*(1 + 2**16) - (x_a << 16) = s_b*MUL + ADD (mod 2**32). The first state is
+    mul.hi(t, 2**16) (FMA pipe too). Then the mask/xor (lop3), two prmt that gather the low and
+    the high halves of both values, and one add.f16x2.
+    """
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 sa, xa, xb, lo, hi, v;
+        mul.hi.u32 sa, $2, 65536;
+        mad.lo.u32 xa, sa, 89226354, 64248484;
+        mad.lo.u32 xb, $2, 89226354, 1584945828;
+        mad.lo.u32 xb, xa, 0xFFFF0000, xb;
+        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        prmt.b32 lo, xa, xb, 0x5410;
+        prmt.b32 hi, xa, xb, 0x7632;
+        add.rn.f16x2 v, lo, hi;
+        mov.b32 {$0, $1}, v;
+        }""",
+        "=h,=h,r", [t], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _state_values(sa, sb):
+    """fp16 3INST values of two states (mad, lop3 each; prmt, prmt, add.f16x2 for both)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 xa, xb, lo, hi, v;
+        mad.lo.u32 xa, $2, 89226354, 64248484;
+        mad.lo.u32 xb, $3, 89226354, 64248484;
+        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        prmt.b32 lo, xa, xb, 0x5410;
+        prmt.b32 hi, xa, xb, 0x7632;
+        add.rn.f16x2 v, lo, hi;
+        mov.b32 {$0, $1}, v;
+        }""",
+        "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """The [64, 128] fp16 A operand (MMA column order) from the words ``w`` of _load_words.
+
+    L7 views the fragment as [warp, row half, g, s, h, t, e]: MMA row 16 warp + 8 half + g,
+    MMA column 16 s + 8 h + 2 t + e, holding tile 2t + h, column s + 8 e of that row.
+    """
+    W6: gl.constexpr = gl.SliceLayout(6, L7)
+    W5: gl.constexpr = gl.SliceLayout(3, W6)
+    hi, lo = gl.split(w)
+    hi = gl.expand_dims(gl.convert_layout(hi, W5), 3).to(gl.uint32, bitcast=True)
+    lo = gl.expand_dims(gl.convert_layout(lo, W5), 3).to(gl.uint32, bitcast=True)
+    v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [4, 2, 8, 1, 2, 4]
+    s = _iota(8, 3, 6, W6).to(gl.uint64)  # column s (e = 0) / s + 8 (e = 1)
+    if BITS == 2:
+        t = ((v << (2 * s)) >> 32).to(gl.uint32)  # funnel: states of columns s and s + 8
+        va, vb = _pair_values(t)
+    else:
+        sa = ((v >> (48 - BITS * s)) & 0xFFFF).to(gl.uint32)
+        sb = ((v >> (48 - BITS * (s + 8))) & 0xFFFF).to(gl.uint32)
+        va, vb = _state_values(sa, sb)
+    a = gl.reshape(gl.join(va, vb), [64, 128])
+    return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
+                         BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    """Program (nb, split slice, token block): z^T[64 rows of block nb, BN tokens] over its k-blocks.
+
+    Each step's activation tile x' [BN, 128] and word block [8, 128] arrive by TMA on one
+    mbarrier, STAGES - 1 steps ahead of their use, so the loop never waits on global memory.
+    """
+    nb = gl.program_id(0)
+    sl = gl.program_id(1)
+    tb = gl.program_id(2)
+    kb0 = sl * KB_PER_SPLIT
+    n = gl.minimum(NKB - kb0, KB_PER_SPLIT)
+
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    L7: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
+                                        warps_per_cta=[4, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0])
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+                                        warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
+
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, 128], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 8, 128], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+
+    row0 = tb * BN
+    wrow0 = (nb * NKB + kb0) * 8
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in gl.static_range(STAGES):
+        mbarrier.expect(bars.index(i), nbytes, pred=i < n)
+        tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        tma.async_copy_global_to_shared(w_desc, [wrow0 + i * 8, 0], bars.index(i), w_smem.index(i), pred=i < n)
+
+    acc = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
+    for i in range(n):
+        stage = i % STAGES
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
+        w = w_smem.index(stage).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+        a = _decode_fragment(w, BITS, L7, A_LAYOUT)
+        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+        # Refill the stage this step read (its MMA has completed) with the step STAGES ahead.
+        j = i + STAGES
+        mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
+        tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + j) * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
+        tma.async_copy_global_to_shared(w_desc, [wrow0 + j * 8, 0], bars.index(stage), w_smem.index(stage), pred=j < n)
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    tok = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    ptrs = ws_ptr + (sl * M + tok[None, :]).to(gl.int64) * Np + rows[:, None]
+    gl.store(ptrs, acc, mask=tok[None, :] < M)
+
+
+@gluon.jit
+def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr):
+    """Test kernel: writes the A fragment the GEMM decodes for (row block, k block) = program id,
+    at T[64 nb + row, 128 kb + MMA column], so it can be compared bit for bit with the reference."""
+    nb = gl.program_id(0)
+    kb = gl.program_id(1)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    L7: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
+                                        warps_per_cta=[4, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0])
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+                                        warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
+    off = (((_iota(4, 0, 6, WL) * 2 + _iota(2, 1, 6, WL)) * 32 + _iota(8, 2, 6, WL) * 4 + _iota(4, 4, 6, WL)) * 4
+           + _iota(2, 3, 6, WL) * 2 + _iota(2, 5, 6, WL))
+    w = gl.load(words_ptr + (nb * NKB + kb).to(gl.int64) * 1024 + off)
+    a = _decode_fragment(w, BITS, L7, A_LAYOUT)
+    rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_LAYOUT))
+    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, A_LAYOUT))
+    gl.store(out_ptr + rows[:, None].to(gl.int64) * (NKB * 128) + cols[None, :], a)
+
+
+def decoded_fragments(qw: QuantizedWeight, words: torch.Tensor | None = None) -> torch.Tensor:
+    """fp16 [Np, Kp]: the weight core T as the GEMM's A fragments hold it (MMA column order in
+    each 128-block). Equal bit for bit to ``decode_trellis(qw)[:, mma_order]`` (tests)."""
+    np_, kp = qw.padded_shape
+    words = pack_words(qw) if words is None else words
+    out = torch.empty((np_, kp), dtype=torch.float16, device=qw.device)
+    _fragment_kernel[(np_ // ROWS, kp // BLOCK_K)](words, out, kp // BLOCK_K, BITS=qw.bits, num_warps=4)
+    return out
+
+
+def mma_order_core(t: torch.Tensor) -> torch.Tensor:
+    """The core T [Np, Kp] with each 128-column block permuted into MMA column order."""
+    kp = t.shape[1]
+    order = mma_column_order(t.device)
+    idx = (torch.arange(kp // BLOCK_K, device=t.device)[:, None] * BLOCK_K + order[None, :]).reshape(-1)
+    return t[:, idx]
+
+
+# -- launcher ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeWgmmaConfig:
+    """Launch parameters of the register-operand decode GEMM (see ``decode_wgmma_config``)."""
+
+    block_tokens: int  # wgmma N: tokens per program (power of two, 8..256)
+    split: int  # k-slices (fp32 partials reduced in fixed order)
+    stages: int  # activation buffers in the TMA ring
+
+
+def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
+    """The rule: tokens padded to a power of two >= 8 (at most 256 per program), the fitted
+    split-K rule, and a 3-deep activation ring."""
+    if m < 1:
+        raise ValueError(f"need at least one token, got {m}")
+    np_, kp = qw.padded_shape
+    block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
+    split = decode_split_k(np_ // HAD_BLOCK, kp // TILE)
+    return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=3)
+
+
+def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
+                 words: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU, in x's dtype.
+
+    ``words`` is ``pack_words(qw)`` (computed here when not given; callers that multiply the
+    same weight repeatedly keep it).
+    """
+    if qw.bits not in SUPPORTED_BITS or qw.codebook_id != 0:
+        raise ValueError(f"the register-operand decode handles 3INST at K in {SUPPORTED_BITS}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if x.shape[-1] != qw.in_features:
+        raise ValueError(f"x has inner dimension {x.shape[-1]}, the weight expects {qw.in_features}")
+    x2d = x.reshape(-1, x.shape[-1])
+    m = x2d.shape[0]
+    cfg = config or decode_wgmma_config(qw, m, x.device)
+    np_, kp = qw.padded_shape
+    nkb = kp // BLOCK_K
+    if words is None:
+        words = pack_words(qw)
+    xq, inv = hadamard_input(x2d, qw, mma_order=True)
+    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
+    w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
+    kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
+    split = triton.cdiv(nkb, kb_per)
+    ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
+    y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
+    grid = (np_ // ROWS, split, triton.cdiv(m, cfg.block_tokens))
+    _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
+                               STAGES=cfg.stages, num_warps=4)
+    hadamard_output(ws, qw, inv, y)
+    return y.reshape(*x.shape[:-1], qw.out_features)

@@ -1,0 +1,160 @@
+"""The register-operand decode GEMM (Hopper): its in-memory layout, checked on the CPU by
+emulating each thread's fragment, its compiled form (PTX for sm_90a), and on the GPU its
+fragments bit for bit and its products within the decode tolerance table."""
+import re
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from escha.format import decode_trellis, dequantize, random_qweight
+from escha.format.bitstream import states_from_words
+from escha.format.codebooks import get as codebook
+from escha.kernels import decode_wgmma as dw
+
+# The wgmma A-operand layout (fp16, k_width 2) of a [64, 128] block as Triton 3.6 defines it,
+# restated from the PTX ISA's m64nNk16 fragment: register bits -> (row, col), lanes, warps.
+A_REG_BASES = [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [0, 64]]
+A_LANE_BASES = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+A_WARP_BASES = [[16, 0], [32, 0]]
+
+
+def _coord(reg: int, lane: int, warp: int) -> tuple[int, int]:
+    r = c = 0
+    for bases, v in ((A_REG_BASES, reg), (A_LANE_BASES, lane), (A_WARP_BASES, warp)):
+        for i, (dr, dc) in enumerate(bases):
+            if v >> i & 1:
+                r ^= dr
+                c ^= dc
+    return r, c
+
+
+def test_a_operand_layout_is_the_one_emulated():
+    """Triton's DotOperandLayout for the register A operand has the bases the emulation uses."""
+    @gluon_kernel
+    def k(p):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+        dot: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        gl.static_assert(gl.to_linear_layout(dot, [64, 128]) == gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32], [0, 64]],
+            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
+            block_bases=[], shape=[64, 128]))
+    triton.compile(GluonASTSource(k, {"p": "*fp16"}), target=GPUTarget("cuda", 90, 32))
+
+
+def gluon_kernel(fn):
+    from triton.experimental import gluon
+    return gluon.jit(fn)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_row_windows_hold_every_state(bits):
+    qw = random_qweight(37, 200, bits=bits, seed=bits)
+    v = dw.row_windows(qw.trellis, bits).to(torch.int64) & 0xFFFFFFFF  # [TN, TK, 16, 2]
+    full = (v[..., 0] << 32) | v[..., 1]
+    c = torch.arange(16)
+    got = (full[..., None] >> (48 - bits * c)) & 0xFFFF  # [TN, TK, 16 rows, 16 cols]
+    want = states_from_words(qw.trellis, bits).reshape(*qw.trellis.shape[:2], 16, 16)
+    assert torch.equal(got, want.to(torch.int64))
+
+
+def _emulate_fragments(qw) -> torch.Tensor:
+    """T in MMA column order as the kernel's threads build it from pack_words: each thread
+    (warp w, lane 4g + t) reads its 8 words at the kernel's offsets and decodes its registers."""
+    words = dw.pack_words(qw).to(torch.int64) & 0xFFFFFFFF
+    np_, kp = qw.padded_shape
+    out = torch.empty(np_, kp, dtype=torch.float16)
+    cb = codebook(0)
+    nb_, kb_ = np_ // 64, kp // 128
+    for w in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for reg in range(64):
+                e, mh, h, s = reg & 1, reg >> 1 & 1, reg >> 2 & 1, reg >> 3
+                row, col = _coord(reg, lane, w)
+                assert (row, col) == (16 * w + 8 * mh + g, 16 * s + 8 * h + 2 * t + e)
+                off = ((w * 2 + mh) * 32 + 4 * g + t) * 4 + 2 * h
+                v = (words[:, :, off] << 32) | words[:, :, off + 1]  # [nb, kb]
+                state = (v >> (48 - qw.bits * (s + 8 * e))) & 0xFFFF
+                vals = cb.values(state.to(torch.int32))
+                out.view(nb_, 64, kb_, 128)[:, row, :, col] = vals
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_emulated_fragments_are_the_core_in_mma_order(bits):
+    qw = random_qweight(130, 260, bits=bits, seed=7 + bits)
+    want = dw.mma_order_core(decode_trellis(qw).to(torch.float16))
+    assert torch.equal(_emulate_fragments(qw).view(torch.int16), want.view(torch.int16))
+
+
+def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
+    order = dw.mma_column_order()
+    assert sorted(order.tolist()) == list(range(128))
+    kk = torch.arange(128)
+    t = (kk // 2) % 4
+    assert torch.equal(order // 32, t)  # lane t's columns are tiles 2t and 2t + 1
+
+
+def test_pair_values_identity():
+    """The mad identity _pair_values uses for the second state of a funnel word."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, 2**32, (1 << 16,), generator=g, dtype=torch.int64)
+    mul, add = 89226354, 64248484
+    sa, sb = t >> 16, t & 0xFFFF
+    xa = (sa * mul + add) % 2**32
+    xb = (t * mul + 1584945828 + xa * 0xFFFF0000) % 2**32
+    assert 1584945828 == add * 65537 % 2**32
+    assert torch.equal(xb, (sb * mul + add) % 2**32)
+
+
+def _compile(bits: int, bn: int):
+    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{dw.x_smem_layout(bn)!r}>",
+           "w_desc": f"tensordesc<i32[8, 128],{dw.WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr"}
+    src = GluonASTSource(dw._decode_wgmma_kernel, sig, constexprs={"BITS": bits, "BN": bn, "STAGES": 3},
+                         attrs={(2,): [["tt.divisibility", 16]]})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("bits,bn", [(2, 8), (2, 64), (3, 16)])
+def test_ptx_uses_register_a_and_no_shared_stores(bits, bn):
+    ptx = _compile(bits, bn).asm["ptx"]
+    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
+    assert len(mma) == 8 and all(int(n) == bn for n, _ in mma)
+    assert all(a == "{" for _, a in mma)  # A from registers, not a shared-memory descriptor
+    assert "st.shared" not in ptx  # decoded weights never go through shared memory
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2  # the thread's 8 words: two 16-byte loads
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("shape", [(128, 128), (300, 520), (17408, 5120)])
+def test_fragments_bit_exact(bits, shape):
+    qw = random_qweight(*shape, bits=bits, seed=sum(shape) + bits, device="cuda")
+    got = dw.decoded_fragments(qw)
+    want = dw.mma_order_core(decode_trellis(qw).to(torch.float16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 33, 64, 65, 128, 200, 256, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemm_within_tolerance(m, dtype):
+    tol = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
+           torch.float32: 2 * (2.0**-24 + 2.0**-11)}[dtype]
+    qw = random_qweight(300, 700, bits=2, seed=m, device="cuda")
+    x = torch.randn(m, 700, device="cuda", dtype=dtype)
+    y = dw.decode_wgmma(x, qw)
+    ref = x.double() @ dequantize(qw).double().T
+    assert y.dtype == dtype and y.shape == (m, 300)
+    assert float((y.double() - ref).norm() / ref.norm()) <= tol
