@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ms", default="1,8,16,40,64,128,256")
     ap.add_argument("--shapes", default="gate_up,down")
-    ap.add_argument("--variants", action="store_true", help="also time stage/split variants")
+    ap.add_argument("--variants", action="store_true", help="also time fragments x split variants")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     lines: list[str] = []
@@ -119,13 +119,11 @@ def main() -> int:
                 if m <= 64:
                     arms["portable"] = (lambda i: decode_matmul(xs[i % 2], ws[i]), len(ws))
                 if args.variants:
-                    for st in (2, 4):
-                        c2 = DecodeWgmmaConfig(cfg.block_tokens, cfg.split, st)
-                        arms[f"wgmma_st{st}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2, words=words[i]), len(ws))
-                    for sp in sorted({max(1, cfg.split // 2), cfg.split * 2, 1}):
-                        if sp != cfg.split:
-                            c2 = DecodeWgmmaConfig(cfg.block_tokens, sp, cfg.stages)
-                            arms[f"wgmma_split{sp}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2, words=words[i]), len(ws))
+                    for fr in (1, 2):
+                        for sp in (1, 2, 3, 4, 6, 8):
+                            c2 = DecodeWgmmaConfig(cfg.block_tokens, sp, cfg.stages, fr)
+                            if c2 != cfg:
+                                arms[f"f{fr}s{sp}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2, words=words[i]), len(ws))
                 samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
                 times = {k: [] for k in samplers}
                 for _ in range(args.rounds):
@@ -133,7 +131,8 @@ def main() -> int:
                         times[k].append(s.sample())
                 med = {k: statistics.median(v) for k, v in times.items()}
                 point["us"] = med
-                point["config"] = {"block_tokens": cfg.block_tokens, "split": cfg.split, "stages": cfg.stages}
+                point["config"] = {"block_tokens": cfg.block_tokens, "split": cfg.split, "stages": cfg.stages,
+                                   "fragments": cfg.fragments}
                 log(f"{name} M={m:4d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())
                     + f"  wgmma/bf16 {med['wgmma'] / med['cublas_bf16']:.3f}  err_bf16 {point['err_bfloat16']:.2e}")
                 del samplers

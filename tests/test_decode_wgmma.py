@@ -64,7 +64,8 @@ def test_row_windows_hold_every_state(bits):
 def _emulate_fragments(qw) -> torch.Tensor:
     """T in MMA column order as the kernel's threads build it from pack_words: each thread
     (warp w, lane 4g + t) reads its 8 words at the kernel's offsets and decodes its registers."""
-    words = dw.pack_words(qw).to(torch.int64) & 0xFFFFFFFF
+    words = dw.pack_words(qw).to(torch.int64) & 0xFFFFFFFF  # [Np/128, Kp/128, 2, 1024]
+    words = words.permute(0, 2, 1, 3).reshape(-1, words.shape[1], dw.FRAGMENT_WORDS)  # [Np/64, Kp/128, 1024]
     np_, kp = qw.padded_shape
     out = torch.empty(np_, kp, dtype=torch.float16)
     cb = codebook(0)
@@ -111,24 +112,24 @@ def test_pair_values_identity():
     assert torch.equal(xb, (sb * mul + add) % 2**32)
 
 
-def _compile(bits: int, bn: int):
+def _compile(bits: int, bn: int, frags: int = 1):
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{dw.x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{dw.WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr"}
-    src = GluonASTSource(dw._decode_wgmma_kernel, sig, constexprs={"BITS": bits, "BN": bn, "STAGES": 3},
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr"}
+    src = GluonASTSource(dw._decode_wgmma_kernel, sig, constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "FRAGS": frags},
                          attrs={(2,): [["tt.divisibility", 16]]})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-@pytest.mark.parametrize("bits,bn", [(2, 8), (2, 64), (3, 16)])
-def test_ptx_uses_register_a_and_no_shared_stores(bits, bn):
-    ptx = _compile(bits, bn).asm["ptx"]
+@pytest.mark.parametrize("bits,bn,frags", [(2, 8, 1), (2, 64, 1), (3, 16, 1), (2, 16, 2)])
+def test_ptx_uses_register_a_and_no_shared_stores(bits, bn, frags):
+    ptx = _compile(bits, bn, frags).asm["ptx"]
     mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
-    assert len(mma) == 8 and all(int(n) == bn for n, _ in mma)
+    assert len(mma) == 8 * frags and all(int(n) == bn for n, _ in mma)
     assert all(a == "{" for _, a in mma)  # A from registers, not a shared-memory descriptor
     assert "st.shared" not in ptx  # decoded weights never go through shared memory
-    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2  # the thread's 8 words: two 16-byte loads
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2 * frags  # 8 words a fragment: two 16-byte loads
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -149,12 +150,15 @@ def test_fragments_bit_exact(bits, shape):
 @gpu
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 33, 64, 65, 128, 200, 256, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gemm_within_tolerance(m, dtype):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_gemm_within_tolerance(m, dtype, fragments):
     tol = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
            torch.float32: 2 * (2.0**-24 + 2.0**-11)}[dtype]
-    qw = random_qweight(300, 700, bits=2, seed=m, device="cuda")
+    qw = random_qweight(300, 700, bits=2 + m % 2, seed=m, device="cuda")
     x = torch.randn(m, 700, device="cuda", dtype=dtype)
-    y = dw.decode_wgmma(x, qw)
+    cfg = dw.decode_wgmma_config(qw, m)
+    cfg = dw.DecodeWgmmaConfig(cfg.block_tokens, cfg.split, cfg.stages, fragments)
+    y = dw.decode_wgmma(x, qw, config=cfg)
     ref = x.double() @ dequantize(qw).double().T
     assert y.dtype == dtype and y.shape == (m, 300)
     assert float((y.double() - ref).norm() / ref.norm()) <= tol

@@ -47,12 +47,12 @@ from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from .splitk import decode_split_k
 from .transforms import hadamard_input, hadamard_output
 
-ROWS = 64  # weight rows per warpgroup (wgmma M)
+FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
-WORDS_PER_STEP = ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per 16 weights -> 1024 words
+FRAGMENT_WORDS = FRAGMENT_ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per 16 weights -> 1024
 MAX_TOKENS = 256  # wgmma N
 SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
-# A step's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
+# A fragment's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
 WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
@@ -83,22 +83,22 @@ def row_windows(trellis: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_words(qw: QuantizedWeight) -> torch.Tensor:
-    """The weight's words in the kernel's load order: int32 [Np/64, Kp/128, 1024].
+    """The weight's words in the kernel's load order: int32 [Np/128, Kp/128, 2, 1024].
 
-    Within a (64-row block, 128-column block) the 1024 words are ordered
-    [warp w (4), row half mh (2), lane 4g + t (32), tile half h (2), hi/lo (2)]: lane (g, t) of
-    warp w holds the windows of tile rows g + 8 mh of the 16-row tile 4 nb + w, in tiles
-    2t + h of the column block, so each thread's words are two aligned 16-byte loads and each
-    load instruction of a warp reads 512 contiguous bytes.
+    For each (128-row block, 128-column block), two fragments of 64 rows (f = 0, 1), each 1024
+    words ordered [warp w (4), row half mh (2), lane 4g + t (32), tile half h (2), hi/lo (2)]:
+    lane (g, t) of warp w holds the windows of tile rows g + 8 mh of the 16-row tile
+    8 nb + 4 f + w, in tiles 2t + h of the column block. Each thread's words are two aligned
+    16-byte loads, and each load instruction of a warp reads 512 contiguous bytes.
     """
     if qw.bits not in SUPPORTED_BITS:
         raise ValueError(f"the register-operand decode handles K in {SUPPORTED_BITS}, got K={qw.bits}")
     v = row_windows(qw.trellis, qw.bits)  # [TN, TK, 16, 2]
     tn, tk = v.shape[:2]
-    # tn = 4 nb + w; tk = 8 kb + 2 t + h; row = 8 mh + g
-    v = v.reshape(tn // 4, 4, tk // 8, 4, 2, 2, 8, 2)  # nb, w, kb, t, h, mh, g, j
-    v = v.permute(0, 2, 1, 5, 6, 3, 4, 7)  # nb, kb, w, mh, g, t, h, j
-    return v.reshape(tn // 4, tk // 8, WORDS_PER_STEP).contiguous()
+    # tn = 8 nb + 4 f + w; tk = 8 kb + 2 t + h; row = 8 mh + g
+    v = v.reshape(tn // 8, 2, 4, tk // 8, 4, 2, 2, 8, 2)  # nb, f, w, kb, t, h, mh, g, j
+    v = v.permute(0, 3, 1, 2, 6, 7, 4, 5, 8)  # nb, kb, f, w, mh, g, t, h, j
+    return v.reshape(tn // 8, tk // 8, 2, FRAGMENT_WORDS).contiguous()
 
 
 def mma_column_order(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -202,11 +202,13 @@ def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.const
 
 @gluon.jit
 def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
-                         BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    """Program (nb, split slice, token block): z^T[64 rows of block nb, BN tokens] over its k-blocks.
+                         BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr):
+    """Program (row block, split slice, token block): z^T[64 FRAGS rows, BN tokens] over its k-blocks.
 
-    Each step's activation tile x' [BN, 128] and word block [8, 128] arrive by TMA on one
-    mbarrier, STAGES - 1 steps ahead of their use, so the loop never waits on global memory.
+    Each step's activation tile x' [BN, 128] and FRAGS word blocks [8, 128] arrive by TMA on one
+    mbarrier, STAGES steps ahead of their use, so the loop never waits on global memory. With
+    FRAGS = 2 the warpgroup decodes two 64-row fragments per step against the same activation
+    tile (the second decode overlaps the first fragment's MMA).
     """
     nb = gl.program_id(0)
     sl = gl.program_id(1)
@@ -222,42 +224,57 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
                                         warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
 
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, 128], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 8, 128], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
 
     row0 = tb * BN
-    wrow0 = (nb * NKB + kb0) * 8
+    f0 = nb * FRAGS  # first 64-row fragment of this program
+    wrow0 = (((f0 // 2) * NKB + kb0) * 2 + f0 % 2) * 8  # word rows: 16 per 128-row block and k block
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
         tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
-        tma.async_copy_global_to_shared(w_desc, [wrow0 + i * 8, 0], bars.index(i), w_smem.index(i), pred=i < n)
+        for f in gl.static_range(FRAGS):
+            tma.async_copy_global_to_shared(w_desc, [wrow0 + i * 16 + f * 8, 0], bars.index(i),
+                                            w_smem.index(i * FRAGS + f), pred=i < n)
 
-    acc = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
+    acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
+    acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     for i in range(n):
         stage = i % STAGES
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        xs = x_smem.index(stage).permute((1, 0))
         # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
-        w = w_smem.index(stage).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
-        a = _decode_fragment(w, BITS, L7, A_LAYOUT)
-        acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-        # Refill the stage this step read (its MMA has completed) with the step STAGES ahead.
+        w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+        a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
+        acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
+        if FRAGS == 2:
+            w1 = w_smem.index(stage * FRAGS + 1).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+            a1 = _decode_fragment(w1, BITS, L7, A_LAYOUT)
+            acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
+            acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
+        else:
+            acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
+        # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
         tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + j) * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
-        tma.async_copy_global_to_shared(w_desc, [wrow0 + j * 8, 0], bars.index(stage), w_smem.index(stage), pred=j < n)
+        for f in gl.static_range(FRAGS):
+            tma.async_copy_global_to_shared(w_desc, [wrow0 + j * 16 + f * 8, 0], bars.index(stage),
+                                            w_smem.index(stage * FRAGS + f), pred=j < n)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    rows = f0 * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     tok = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
     ptrs = ws_ptr + (sl * M + tok[None, :]).to(gl.int64) * Np + rows[:, None]
-    gl.store(ptrs, acc, mask=tok[None, :] < M)
+    gl.store(ptrs, acc0, mask=tok[None, :] < M)
+    if FRAGS == 2:
+        gl.store(ptrs + 64, acc1, mask=tok[None, :] < M)
 
 
 @gluon.jit
@@ -274,7 +291,7 @@ def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr):
                                         warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
     off = (((_iota(4, 0, 6, WL) * 2 + _iota(2, 1, 6, WL)) * 32 + _iota(8, 2, 6, WL) * 4 + _iota(4, 4, 6, WL)) * 4
            + _iota(2, 3, 6, WL) * 2 + _iota(2, 5, 6, WL))
-    w = gl.load(words_ptr + (nb * NKB + kb).to(gl.int64) * 1024 + off)
+    w = gl.load(words_ptr + (((nb // 2) * NKB + kb) * 2 + nb % 2).to(gl.int64) * 1024 + off)
     a = _decode_fragment(w, BITS, L7, A_LAYOUT)
     rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_LAYOUT))
     cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, A_LAYOUT))
@@ -287,7 +304,7 @@ def decoded_fragments(qw: QuantizedWeight, words: torch.Tensor | None = None) ->
     np_, kp = qw.padded_shape
     words = pack_words(qw) if words is None else words
     out = torch.empty((np_, kp), dtype=torch.float16, device=qw.device)
-    _fragment_kernel[(np_ // ROWS, kp // BLOCK_K)](words, out, kp // BLOCK_K, BITS=qw.bits, num_warps=4)
+    _fragment_kernel[(np_ // FRAGMENT_ROWS, kp // BLOCK_K)](words, out, kp // BLOCK_K, BITS=qw.bits, num_warps=4)
     return out
 
 
@@ -308,17 +325,19 @@ class DecodeWgmmaConfig:
     block_tokens: int  # wgmma N: tokens per program (power of two, 8..256)
     split: int  # k-slices (fp32 partials reduced in fixed order)
     stages: int  # activation buffers in the TMA ring
+    fragments: int  # 64-row A fragments per program (1 or 2)
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule: tokens padded to a power of two >= 8 (at most 256 per program), the fitted
-    split-K rule, and a 3-deep activation ring."""
+    split-K rule, and an activation ring 3 deep where shared memory allows (2 at 256 tokens)."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
     np_, kp = qw.padded_shape
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
     split = decode_split_k(np_ // HAD_BLOCK, kp // TILE)
-    return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=3)
+    stages = 3 if block_tokens <= 128 else 2
+    return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages, fragments=1)
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
@@ -348,8 +367,8 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
     split = triton.cdiv(nkb, kb_per)
     ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
     y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
-    grid = (np_ // ROWS, split, triton.cdiv(m, cfg.block_tokens))
+    grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
     _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
-                               STAGES=cfg.stages, num_warps=4)
+                               STAGES=cfg.stages, FRAGS=cfg.fragments, num_warps=4)
     hadamard_output(ws, qw, inv, y)
     return y.reshape(*x.shape[:-1], qw.out_features)

@@ -22,6 +22,15 @@ from ..format.spec import HAD_BLOCK
 from .codec import round_to
 
 INV_SQRT_BLOCK = 0.08838834764831845  # 1/sqrt(128)
+_TORCH_DTYPE = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """Operand dtype of the input transform's product for activations of ``dtype``: the dtype
+    itself on the GPU (fp32 under the interpreter, whose fp16/bf16 dots are unreliable)."""
+    if type(_input_transform_kernel).__name__ == "InterpretedFunction":
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
 
 @triton.jit
@@ -40,6 +49,35 @@ def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
     return (1 - 2 * (a & 1)).to(dtype)
 
 
+_HADAMARD: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def hadamard_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The unnormalized [128, 128] Sylvester matrix (+-1, exact in any float dtype) on ``device``,
+    built once per (device, dtype) with device ops only, so a first call may even happen inside
+    CUDA-graph capture. Kernels load it instead of rebuilding it from indices per program
+    (about ten integer ops per entry, the largest cost of the small transform kernels)."""
+    key = (str(device), dtype)
+    h = _HADAMARD.get(key)
+    if h is None:
+        i = torch.arange(HAD_BLOCK, device=device, dtype=torch.int32)
+        a = i[:, None] & i[None, :]
+        for s in (4, 2, 1):
+            a = a ^ (a >> s)
+        h = (1 - 2 * (a & 1)).to(dtype).contiguous()
+        _HADAMARD[key] = h
+    return h
+
+
+@triton.jit
+def load_hadamard(h_ptr):
+    """The [128, 128] matrix of ``hadamard_matrix`` from global memory (an L2 hit after the first
+    program)."""
+    i = tl.arange(0, 128)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    return tl.load(h_ptr + i * 128 + j)
+
+
 @triton.jit
 def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
     """g*c*su for output channels n, in fp32, multiplied in escha.format.row_scale's order."""
@@ -50,9 +88,10 @@ def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
 
 
 @triton.jit
-def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
+def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            PAIR_ORDER: tl.constexpr = False, MMA_ORDER: tl.constexpr = False):
+                            DOT_DTYPE: tl.constexpr, PAIR_ORDER: tl.constexpr = False,
+                            MMA_ORDER: tl.constexpr = False):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
     PAIR_ORDER stores column 16t + c + 8j at position 16t + 2c + j (codec.decode_block_pairs'
@@ -82,7 +121,12 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm,
     k = b * 128 + j
     xs = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
     xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
-    h = tl.dot(xs, hadamard_pm1(128, tl.float32), input_precision="tf32x3")
+    # Sign flips keep x exact in its own dtype, and so is the +-1 matrix: a dot in x's dtype
+    # (DOT_DTYPE) has exact products and fp32 sums. fp32 inputs take tf32x3.
+    if DOT_DTYPE == tl.float32:
+        h = tl.dot(xs, load_hadamard(h_ptr), input_precision="tf32x3")
+    else:
+        h = tl.dot(xs.to(DOT_DTYPE), load_hadamard(h_ptr))
     h = (h * 0.08838834764831845) * scale
     if PAIR_ORDER:
         q = k % 16
@@ -117,16 +161,18 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | N
         inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = 16
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
-    _input_transform_kernel[grid](x2d, qw.sv, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),
+    ddt = _dot_dtype(x2d.dtype)
+    h = hadamard_matrix(x2d.device, _TORCH_DTYPE[ddt])
+    _input_transform_kernel[grid](x2d, qw.sv, h, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),
                                   CH=ch, AMAX_BLOCK=1024,
                                   AMAX_STEPS=triton.cdiv(qw.in_features, 1024), PAIR_ORDER=pair_order,
-                                  MMA_ORDER=mma_order,
+                                  MMA_ORDER=mma_order, DOT_DTYPE=ddt,
                                   num_warps=4)
     return out, inv_scale
 
 
 @triton.jit
-def _output_transform_kernel(z_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_out, Np, stride_ym,
+def _output_transform_kernel(z_ptr, h_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_out, Np, stride_ym,
                              SPLIT: tl.constexpr, BM: tl.constexpr):
     """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
 
@@ -141,7 +187,13 @@ def _output_transform_kernel(z_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_o
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask, other=0.0)
-    h = tl.dot(z, hadamard_pm1(128, tl.float32), input_precision="tf32x3") * 0.08838834764831845
+    # z H in two tf32 products: z_hi (z with 10 mantissa bits, exact in tf32) and the rest
+    # z - z_hi (<= 13 significant bits, 2**-10 of z, so its own tf32 rounding is ~2**-21 of z);
+    # H is exact in tf32.
+    hm = load_hadamard(h_ptr)
+    z_hi = (z.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    h = tl.dot(z_hi, hm, input_precision="tf32")
+    h = tl.dot(z - z_hi, hm, h, input_precision="tf32") * 0.08838834764831845
     rs = row_scale_block(c_ptr, su_ptr, g_ptr, n, n < N_out)
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
     y = h * rs * inv
@@ -158,6 +210,6 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
-    _output_transform_kernel[grid](z, out, qw.scale, qw.su, qw.gscale, inv_scale, m, qw.out_features, np_,
+    _output_transform_kernel[grid](z, hadamard_matrix(z.device, torch.float32), out, qw.scale, qw.su, qw.gscale, inv_scale, m, qw.out_features, np_,
                                    out.stride(0), SPLIT=split, BM=bm, num_warps=4)
     return out
