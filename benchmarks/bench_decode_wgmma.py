@@ -85,6 +85,8 @@ def main() -> int:
     def log(s: str) -> None:
         print(s, flush=True)
         lines.append(s)
+        with open(os.path.join(args.out, "decode_wgmma.log"), "a") as f:
+            f.write(s + "\n")
 
     env = env_info()
     log(json.dumps(env))
@@ -143,8 +145,6 @@ def main() -> int:
                 json.dump(results, f, indent=1)
         del ws, words, w_ref, dense_rot
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "decode_wgmma.log"), "w") as f:
-        f.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -233,7 +233,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
     row0 = tb * BN
     f0 = nb * FRAGS  # first 64-row fragment of this program
     wrow0 = (((f0 // 2) * NKB + kb0) * 2 + f0 % 2) * 8  # word rows: 16 per 128-row block and k block
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + FRAGS * w_desc.block_type.nbytes
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
         tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
