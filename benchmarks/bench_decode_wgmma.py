@@ -121,7 +121,7 @@ def main() -> int:
                 if m <= 64:
                     arms["portable"] = (lambda i: decode_matmul(xs[i % 2], ws[i]), len(ws))
                 if args.variants:
-                    for fr in (1, 2):
+                    for fr in ((1, 2) if cfg.block_tokens <= 64 else (1,)):  # 2 fragments x 128 tokens: 254 registers
                         for sp in (1, 2, 3, 4, 6, 8):
                             c2 = DecodeWgmmaConfig(cfg.block_tokens, sp, cfg.stages, fr)
                             if c2 != cfg:
