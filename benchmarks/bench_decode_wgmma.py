@@ -109,6 +109,12 @@ def main() -> int:
         for m in [int(v) for v in args.ms.split(",")]:
             point = {"shape": name, "N": out_f, "K": in_f, "M": m}
             try:
+                base = decode_wgmma_config(ws[0], m)
+                for hv in ((False, True) if base.block_tokens <= 64 else (False,)):
+                    e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, words[0], DecodeWgmmaConfig(base.block_tokens, 3, base.stages, hv))
+                    point[f"err_bf16_halves{int(hv)}_split3"] = e
+                    if not e <= TOL[torch.bfloat16]:
+                        log(f"GATE FAIL {name} M={m} halves={hv} split 3: {e:.3e}")
                 for dt in (torch.bfloat16, torch.float16, torch.float32):
                     e = gate_gemm(ws[0], w_ref, m, dt, words[0])
                     point[f"err_{str(dt)[6:]}"] = e
@@ -124,7 +130,7 @@ def main() -> int:
                     arms["portable"] = (lambda i: decode_matmul(xs[i % 2], ws[i]), len(ws))
                 if args.variants:
                     for hv in ((False, True) if cfg.block_tokens <= 64 else (False,)):
-                        for sp in (1, 2, 3, 4, 6, 8):
+                        for sp in (2, 3, 4, 6, 8):
                             c2 = DecodeWgmmaConfig(cfg.block_tokens, sp, cfg.stages, hv)
                             if c2 != cfg:
                                 arms[f"{'h' if hv else 'x'}s{sp}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2, words=words[i]), len(ws))

@@ -131,8 +131,7 @@ out = {}
 layout_src = GluonASTSource(layout_check, {"p": "*fp16"})
 triton.compile(layout_src, target=target)
 for bits, bn, halves in VARIANTS:
-    kx = 128 * (1 + halves)
-    sig = {"x_desc": f"tensordesc<fp16[{bn}, {kx}],{dw.x_smem_layout(bn, halves)!r}>",
+    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{dw.x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{dw.WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "HALVES": "constexpr"}

@@ -69,10 +69,10 @@ SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
 WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
-def x_smem_layout(block_tokens: int, halves: bool) -> gl.NVMMASharedLayout:
-    """Shared layout of an activation tile [block_tokens, 128 or 256] fp16 (wgmma's B operand,
-    K-major; 256 columns when each x' value is stored twice for the halves codec)."""
-    return gl.NVMMASharedLayout.get_default_for([block_tokens, BLOCK_K * (1 + halves)], gl.float16)
+def x_smem_layout(block_tokens: int) -> gl.NVMMASharedLayout:
+    """Shared layout of an activation tile [block_tokens, 128] fp16 (wgmma's B operand, K-major;
+    a step of the halves codec reads two, the x' columns being stored twice)."""
+    return gl.NVMMASharedLayout.get_default_for([block_tokens, BLOCK_K], gl.float16)
 
 
 # -- the in-memory layout ---------------------------------------------------------------------
@@ -292,7 +292,7 @@ def _load_step_words(w_smem, stage):
 def _hadamard64(z, z_smem, MMA: gl.constexpr):
     """H64 z for the accumulator z [64, BN] (fp32, MMA layout): a wgmma with the exact +-1 matrix
     as register A operand and z as three bf16 pieces (z = z1 + z2 + z3 to 24 bits) in shared
-    memory, accumulated in fp32."""
+    memory, accumulated in fp32. z_smem is [BN, 64], K-major like the activation tiles."""
     HA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     i = gl.arange(0, 64, layout=gl.SliceLayout(1, HA))[:, None]
     j = gl.arange(0, 64, layout=gl.SliceLayout(0, HA))[None, :]
@@ -306,10 +306,10 @@ def _hadamard64(z, z_smem, MMA: gl.constexpr):
     for _ in gl.static_range(3):
         piece = r.to(gl.bfloat16)
         r = r - piece.to(gl.float32)
-        z_smem.store(piece)
+        z_smem.store(gl.permute(piece, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
-        p = warpgroup_mma(h, z_smem, p)
+        p = warpgroup_mma(h, z_smem.permute((1, 0)), p)
     return p
 
 
@@ -318,7 +318,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr):
     """Program (64-row block, split slice, token block): P = H64 z^T over its k-blocks.
 
-    Each step's activation tile x' [BN, 128 or 256] and word block [8, 128] arrive by TMA on one
+    Each step's activation tiles x' [BN, 128] (two for the halves codec) and word block [8, 128]
+    arrive by TMA on one
     mbarrier, STAGES steps ahead of their use, so the loop never waits on global memory. The
     next step's fragment is decoded while the current step's MMAs run.
     """
@@ -327,12 +328,12 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
     tb = gl.program_id(2)
     kb0 = sl * KB_PER_SPLIT
     n = gl.minimum(NKB - kb0, KB_PER_SPLIT)
-    KX: gl.constexpr = 128 * (1 + HALVES)  # activation columns per step
+    NX: gl.constexpr = 1 + HALVES  # activation tiles [BN, 128] per step
 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 
-    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, KX], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NX, BN, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 8, 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -341,10 +342,12 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
 
     row0 = tb * BN
     wrow0 = (nb * NKB + kb0) * 8
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    nbytes: gl.constexpr = NX * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
-        tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + i) * KX], bars.index(i), x_smem.index(i), pred=i < n)
+        for h in gl.static_range(NX):
+            tma.async_copy_global_to_shared(x_desc, [row0, ((kb0 + i) * NX + h) * 128], bars.index(i),
+                                            x_smem.index(i * NX + h), pred=i < n)
         tma.async_copy_global_to_shared(w_desc, [wrow0 + i * 8, 0], bars.index(i), w_smem.index(i), pred=i < n)
 
     acc = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
@@ -352,15 +355,14 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
     u = _decode_step(_load_step_words(w_smem, 0), BITS, HALVES)
     for i in range(n):
         stage = i % STAGES
-        xs = x_smem.index(stage)
         if HALVES:
             a0 = _operand(u[0], A_LAYOUT)
             a1 = _operand(u[1], A_LAYOUT)
-            acc = warpgroup_mma(a0, xs.slice(0, 128, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(a1, xs.slice(128, 128, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a0, x_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a1, x_smem.index(2 * stage + 1).permute((1, 0)), acc, is_async=True)
         else:
             a0 = _operand(u, A_LAYOUT)
-            acc = warpgroup_mma(a0, xs.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a0, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
         # Decode the next step while this step's MMAs run.
         u_next = u
         if i + 1 < n:
@@ -374,14 +376,16 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
-        tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + j) * KX], bars.index(stage), x_smem.index(stage), pred=j < n)
+        for h in gl.static_range(NX):
+            tma.async_copy_global_to_shared(x_desc, [row0, ((kb0 + j) * NX + h) * 128], bars.index(stage),
+                                            x_smem.index(stage * NX + h), pred=j < n)
         tma.async_copy_global_to_shared(w_desc, [wrow0 + j * 8, 0], bars.index(stage), w_smem.index(stage), pred=j < n)
         u = u_next
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
-    z_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BN], gl.NVMMASharedLayout.get_default_for([64, BN], gl.bfloat16))
+    z_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16))
     p = _hadamard64(acc, z_smem, MMA)
     rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     tok = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
@@ -434,7 +438,7 @@ def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr, HALVES: gl.con
         # Each weight as fp16(low + high): columns c (u[0]) and c + 8 (u[1]) of each pair.
         la, ha = gl.split(gl.reshape(_operand(u[0], A_LAYOUT), [64, 64, 2]))
         lb, hb = gl.split(gl.reshape(_operand(u[1], A_LAYOUT), [64, 64, 2]))
-        a = gl.reshape(gl.join(la + ha, lb + hb), [64, 128])
+        a = gl.reshape(gl.permute(gl.join(la + ha, lb + hb), (0, 2, 1)), [64, 128])
     else:
         a = _operand(u, A_LAYOUT)
     OL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
@@ -509,8 +513,7 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
     if words is None:
         words = pack_words(qw)
     xq, inv = hadamard_input(x2d, qw, mma_order=True, halves=cfg.halves)
-    kx = BLOCK_K * (1 + cfg.halves)
-    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, kx], x_smem_layout(cfg.block_tokens, cfg.halves))
+    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
     split = triton.cdiv(nkb, kb_per)
