@@ -42,7 +42,8 @@ def test_row_windows_hold_every_state(bits):
 def _emulate_fragments(qw) -> torch.Tensor:
     """T in MMA column order as the kernel's threads build it from pack_words: each thread
     (warp w, lane 4g + t) reads its 8 words at the kernel's offsets and decodes its registers."""
-    words = dw.pack_words(qw).to(torch.int64) & 0xFFFFFFFF  # [Np/64, Kp/128, 1024]
+    words = dw.pack_words(qw).to(torch.int64) & 0xFFFFFFFF  # [Np/128, Kp/128, 2, 1024]
+    words = words.permute(0, 2, 1, 3).reshape(-1, words.shape[1], dw.FRAGMENT_WORDS)  # [Np/64, Kp/128, 1024]
     np_, kp = qw.padded_shape
     out = torch.empty(np_, kp, dtype=torch.float16)
     cb = codebook(0)
@@ -75,25 +76,6 @@ def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
     kk = torch.arange(128)
     t = (kk // 2) % 4
     assert torch.equal(order // 32, t)  # lane t's columns are tiles 2t and 2t + 1
-    halves = dw.mma_column_order(halves=True)  # each column twice, at 2 j and 2 j + 1
-    assert torch.equal(halves[0::2], halves[1::2]) and sorted(halves[0::2].tolist()) == list(range(128))
-    assert torch.equal(halves // 32, (torch.arange(256) // 2) % 4)
-
-
-@pytest.mark.parametrize("halves", [False, True])
-def test_input_transform_stores_mma_order(halves, one_thread):
-    """x' in the GEMM's column order (each value twice for the halves codec) is exactly the
-    natural-order x' (itself checked against the reference in test_decode.py) permuted."""
-    from escha.kernels.transforms import hadamard_input
-    qw = random_qweight(40, 300, bits=2, seed=3)
-    x = torch.randn(5, 300)
-    xq, inv = hadamard_input(x, qw, mma_order=True, halves=halves)
-    want, want_inv = hadamard_input(x, qw)
-    order = dw.mma_column_order(halves)
-    nb = want.shape[1] // 128
-    idx = (torch.arange(nb)[:, None] * 128 + order[None, :]).reshape(-1)
-    assert xq.shape == (5, len(idx))
-    assert torch.equal(xq.view(torch.int16), want[:, idx].view(torch.int16)) and torch.equal(inv, want_inv)
 
 
 def test_pair_values_identity():
@@ -127,26 +109,26 @@ def layout_check(p):
         reg_bases=REG, lane_bases=LANE, warp_bases=WARP, block_bases=[], shape=[64, 128]))
 
 target = GPUTarget("cuda", 90, 32)
+triton.compile(GluonASTSource(layout_check, {"p": "*fp16"}), target=target)
 out = {}
-layout_src = GluonASTSource(layout_check, {"p": "*fp16"})
-triton.compile(layout_src, target=target)
-for bits, bn, halves in VARIANTS:
+for bits, bn, frags in VARIANTS:
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{dw.x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{dw.WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "HALVES": "constexpr"}
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr"}
     src = GluonASTSource(dw._decode_wgmma_kernel, sig,
-                         constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "HALVES": halves},
+                         constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "FRAGS": frags},
                          attrs={(2,): [["tt.divisibility", 16]]})
-    out[f"{bits},{bn},{int(halves)}"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+    out[f"{bits},{bn},{frags}"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
 json.dump(out, sys.stdout)
 """
-VARIANTS = [(2, 8, False), (2, 64, False), (3, 16, False), (2, 16, True), (3, 32, True)]
+VARIANTS = [(2, 8, 1), (2, 64, 1), (3, 16, 1), (2, 16, 2)]
 
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory):
-    """PTX of the GEMM for each variant (bits, tokens, halves), compiled for sm_90a."""
+    """PTX of the GEMM for each variant (bits, tokens, fragments), compiled for sm_90a; the
+    compiling process also checks that Triton's A-operand layout has the bases emulated above."""
     import json
     import os
     import subprocess
@@ -161,27 +143,17 @@ def ptx(tmp_path_factory):
     return {tuple(int(v) for v in k.split(",")): p for k, p in json.loads(run.stdout).items()}
 
 
-@pytest.mark.parametrize("bits,bn,halves", VARIANTS)
-def test_ptx_uses_register_a_and_no_shared_stores_in_the_loop(ptx, bits, bn, halves):
-    """Also checks (in the compiling process) that Triton's A-operand layout has the bases the
-    CPU emulation above uses."""
-    ptx = ptx[(bits, bn, int(halves))]
-    main = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)"
-    mma = re.findall(main, ptx)
-    assert len(mma) == 8 * (1 + halves) and all(int(n) == bn for n, _ in mma)
+@pytest.mark.parametrize("bits,bn,frags", VARIANTS)
+def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags):
+    ptx = ptx[(bits, bn, frags)]
+    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
+    assert len(mma) == 8 * frags and all(int(n) == bn for n, _ in mma)
     assert all(a == "{" for _, a in mma)  # A from registers, not a shared-memory descriptor
-    loop_exit = re.search(r"^\$L__BB\w+:\s*// %\._crit_edge", ptx, re.M).start()
-    assert all(m.start() < loop_exit for m in re.finditer(main, ptx))
-    # Decoded weights never go through shared memory: the only stores are the epilogue's.
-    assert "st.shared" not in ptx[:loop_exit]
-    # A step's 8 words a thread are two 16-byte loads (the first step before the loop, the next
-    # step inside it).
-    assert len(re.findall(r"ld\.shared\.v4", ptx[:loop_exit])) == 4
-    # The epilogue's H64: three bf16 pieces x four k-steps, the +-1 matrix as register operand.
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx)) == 12
+    assert "st.shared" not in ptx  # decoded weights never go through shared memory
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2 * frags  # 8 words a fragment: two 16-byte loads
     # Each stage's mbarrier expects exactly the bytes its TMA copies bring (else the wait hangs).
     tx = {int(v) for v in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+_,\s*\[[^]]*\],\s*(\d+)", ptx)}
-    assert tx == {bn * 128 * (1 + halves) * 2 + 8 * 128 * 4}
+    assert tx == {bn * 128 * 2 + frags * 8 * 128 * 4}
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -191,11 +163,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @gpu
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("shape", [(128, 128), (300, 520), (17408, 5120)])
-@pytest.mark.parametrize("halves", [False, True])
-def test_fragments_bit_exact(bits, shape, halves):
+def test_fragments_bit_exact(bits, shape):
     qw = random_qweight(*shape, bits=bits, seed=sum(shape) + bits, device="cuda")
-    got = dw.decoded_fragments(qw, halves)
-    want = dw.mma_order_core(decode_trellis(qw).to(torch.float16), halves)
+    got = dw.decoded_fragments(qw)
+    want = dw.mma_order_core(decode_trellis(qw).to(torch.float16))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -203,16 +174,14 @@ def test_fragments_bit_exact(bits, shape, halves):
 @gpu
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 33, 64, 65, 128, 200, 256, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("halves", [False, True])
-def test_gemm_within_tolerance(m, dtype, halves):
-    # docs/KERNELS.md tolerance table: x' rounded to fp16 (2**-11), the output rounding, and for
-    # the halves codec the unrounded weight lo + hi (within 2**-11 of T).
-    u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[dtype]
-    tol = 2 * (u_out + 2.0**-11 * (1 + halves))
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_gemm_within_tolerance(m, dtype, fragments):
+    tol = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
+           torch.float32: 2 * (2.0**-24 + 2.0**-11)}[dtype]
     qw = random_qweight(300, 700, bits=2 + m % 2, seed=m, device="cuda")
     x = torch.randn(m, 700, device="cuda", dtype=dtype)
     cfg = dw.decode_wgmma_config(qw, m)
-    cfg = dw.DecodeWgmmaConfig(cfg.block_tokens, 1 + m % 3, cfg.stages, halves)
+    cfg = dw.DecodeWgmmaConfig(cfg.block_tokens, cfg.split, cfg.stages, fragments)
     y = dw.decode_wgmma(x, qw, config=cfg)
     ref = x.double() @ dequantize(qw).double().T
     assert y.dtype == dtype and y.shape == (m, 300)

@@ -91,7 +91,7 @@ def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
 def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
                             DOT_DTYPE: tl.constexpr, PAIR_ORDER: tl.constexpr = False,
-                            MMA_ORDER: tl.constexpr = False, HALVES: tl.constexpr = False):
+                            MMA_ORDER: tl.constexpr = False):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
     PAIR_ORDER stores column 16t + c + 8j at position 16t + 2c + j (codec.decode_block_pairs'
@@ -131,12 +131,6 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
     if PAIR_ORDER:
         q = k % 16
         dst = k - q + 2 * (q % 8) + q // 8
-    elif MMA_ORDER and HALVES:
-        # decode_wgmma's halves order: T column 16 q + c of a 128-block is weight
-        # j = 8 c + 4 (q % 2) + q // 2 of the step, at MMA columns 2 j and 2 j + 1 of 256.
-        q = j // 16
-        c = j % 16
-        dst = b * 256 + 2 * (8 * c + 4 * (q % 2) + q // 2)
     elif MMA_ORDER:
         # decode_wgmma's k order: T column 16 q + c of a 128-block sits at MMA column
         # 16 (c % 8) + 8 (q % 2) + 2 (q // 2) + c // 8 (decode_wgmma.mma_column_order's inverse).
@@ -145,29 +139,24 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
         dst = b * 128 + 16 * (c % 8) + 8 * (q % 2) + 2 * (q // 2) + c // 8
     else:
         dst = k
-    hq = round_to(h, tl.float16)
-    out_row = xq_ptr + m.to(tl.int64) * Kp * (1 + HALVES)
-    tl.store(out_row + dst, hq, mask=k < Kp)
-    if HALVES:
-        tl.store(out_row + dst + 1, hq, mask=k < Kp)
+    tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
 
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | None = None,
                    inv_scale: torch.Tensor | None = None, pair_order: bool = False,
-                   mma_order: bool = False, halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   mma_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
     two (module docstring). ``out``/``inv_scale`` may be preallocated workspaces. ``pair_order``
-    permutes each 16 columns into codec.decode_block_pairs' order (for the paired decode GEMM);
-    ``mma_order`` into decode_wgmma's order, with ``halves`` each value twice ([M, 2 Kp]).
+    permutes each 16 columns into codec.decode_block_pairs' order (for the paired decode GEMM).
     """
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
     if out is None:
-        out = torch.empty((m, kp * (1 + halves)), dtype=torch.float16, device=x2d.device)
+        out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
     if inv_scale is None:
         inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = 16
@@ -177,7 +166,7 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | N
     _input_transform_kernel[grid](x2d, qw.sv, h, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),
                                   CH=ch, AMAX_BLOCK=1024,
                                   AMAX_STEPS=triton.cdiv(qw.in_features, 1024), PAIR_ORDER=pair_order,
-                                  MMA_ORDER=mma_order, HALVES=halves, DOT_DTYPE=ddt,
+                                  MMA_ORDER=mma_order, DOT_DTYPE=ddt,
                                   num_warps=4)
     return out, inv_scale
 
