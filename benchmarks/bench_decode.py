@@ -177,10 +177,6 @@ def main() -> None:
             x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
             base = decode_config(qws[0], m)
             variants = {"escha": base}
-            # The previous kernel and the other paired-codec variant, timed in the same process
-            # (docs/KERNELS.md "Column pairs"); the default is the paired, IMAD.HI one.
-            variants["unpaired"] = replace(base, pair_columns=False)
-            variants["pair_shr"] = replace(base, pair_hi_mul=False)
             if args.ablate:
                 variants["codec_only"] = replace(base, ablation=Ablation.CODEC_ONLY)
                 variants["loads_only"] = replace(base, ablation=Ablation.LOADS_ONLY)
@@ -221,8 +217,6 @@ def main() -> None:
             c["floor_us"] = floor_us
             c["share_of_floor"] = floor_us / t["escha"]
             census[f"{name}_M{m}"] = c
-            for key in ("unpaired", "pair_shr"):
-                census[f"{name}_M{m}_{key}"] = sass_census(decode_kernel_handle(x, qws[0], variants[key]), variants[key])
             print(f"{name:8s} M={m:2d} gate={err:.2e} escha={t['escha']:7.1f} cublas={t['cublas_bf16']:6.1f} "
                   f"ratio={t['escha'] / t['cublas_bf16']:.3f} split={base.split} int/w={c['int_ops_per_weight']:.2f} "
                   f"floor={floor_us:.1f} share={c['share_of_floor']:.2f} regs={c['registers']} "

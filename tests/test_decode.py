@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 from escha.format import dequantize, random_qweight  # noqa: E402
 from escha.kernels import (Ablation, CodecPath, DecodeConfig, decode_config, decode_matmul,  # noqa: E402
-                           decode_split_k, hadamard_input)
+                           decode_split_k)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -107,32 +107,6 @@ def test_split_rule_shape():
             assert s & (s - 1) == 0 and 1 <= s <= 8
 
 
-def test_pair_order_input_is_a_permutation(small_qw):
-    x = _x((3, 100), torch.bfloat16, seed=30)
-    plain, inv = hadamard_input(x, small_qw)
-    paired, inv2 = hadamard_input(x, small_qw, pair_order=True)
-    q = torch.arange(128) % 16
-    pos = torch.arange(128) - q + 2 * (q % 8) + q // 8  # column k is stored at pos[k]
-    assert torch.equal(paired[:, pos.to(DEV)].view(torch.int16), plain.view(torch.int16))
-    assert torch.equal(inv, inv2)
-
-
-def test_paired_vs_unpaired_and_deterministic():
-    qw = random_qweight(96, 300, bits=2, seed=31, device=DEV)  # 128 x 384: 3 k-blocks
-    x = _x((6, 300), torch.float32, seed=31)
-    assert not decode_config(qw, 6).pair_columns  # the default: pairs measured slower on the H200
-    cfg = replace(decode_config(qw, 6), pair_columns=True)
-    outs = []
-    for _ in range(2):
-        out = torch.full((6, 96), float("nan"), dtype=torch.float32, device=DEV)  # poisoned
-        outs.append(decode_matmul(x, qw, cfg, out=out))
-    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
-    old = decode_matmul(x, qw, replace(cfg, pair_columns=False))
-    # Same fp16 operands, only the k order inside each 16-tile differs: fp32 summation order only.
-    assert ((outs[0] - old).norm() / old.norm()).item() < 1e-5
-    _check(outs[0], x, qw)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(17408, 5120), (5120, 8704)])
@@ -144,7 +118,3 @@ def test_benchmark_shapes_gpu(shape, m):
     _check(y, x, qw)
     y2 = decode_matmul(x, qw, replace(decode_config(qw, m), codec=CodecPath.TRITON))
     assert torch.equal(y.view(torch.int16), y2.view(torch.int16))  # PTX and Triton codecs agree bitwise
-    y3 = decode_matmul(x, qw, replace(decode_config(qw, m), pair_hi_mul=not decode_config(qw, m).pair_hi_mul))
-    assert torch.equal(y.view(torch.int16), y3.view(torch.int16))  # both paired PTX variants agree bitwise
-    y4 = decode_matmul(x, qw, replace(decode_config(qw, m), pair_columns=False))
-    _check(y4, x, qw)  # the unpaired kernel stays available and correct

@@ -118,70 +118,6 @@ def state_values(w0, w1, off, USE_PTX: tl.constexpr):
     return v
 
 
-# ADD * (1 + 2**16) mod 2**32: the addend that lets pair_values_ptx derive the second state's
-# LCG value from the unshifted pair word (see there).
-ADD_PAIR = (ADD * 65537) % 2**32
-
-
-@triton.jit
-def pair_values(w0, w1, off):
-    """fp16 values of the windows at bits ``off`` and ``off + 16`` (off in 0..15) of (w0, w1).
-
-    Pure-Triton fallback and reference for ``pair_values_ptx``.
-    """
-    return (threeinst(window16_u32(w0, w1, off)), threeinst(window16_u32(w0, w1, off + 16)))
-
-
-@triton.jit
-def pair_values_ptx(w0, w1, off, HI_MUL: tl.constexpr = True):
-    """``pair_values`` as one asm block: 10 instructions for two weights (the unpaired path: 11).
-
-    One funnel shift t = {w0:w1} << off holds both states, s_a = t >> 16 and s_b = t & 0xFFFF.
-    Instead of extracting s_b (an integer-ALU op), its LCG value comes from two more mads, which
-    issue on the FMA pipe: t*MUL + ADD*(1 + 2**16) - (x_a << 16) = s_b*MUL + ADD (mod 2**32),
-    because t*MUL = s_a*MUL*2**16 + s_b*MUL and x_a*2**16 = s_a*MUL*2**16 + ADD*2**16.
-    HI_MUL takes s_a as mul.hi(t, 2**16) (IMAD.HI, FMA pipe) instead of shr (SHF, ALU pipe), which
-    balances the two pipes (docs/KERNELS.md census). Then lop3 (mask/xor) per state, two prmt and
-    one add.f16x2 as in ``threeinst_ptx``.
-    """
-    args = [w0.to(tl.uint32, bitcast=True), w1.to(tl.uint32, bitcast=True), off.to(tl.uint32)]
-    if HI_MUL:
-        va, vb = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, sa, xa, xb, lo, hi, v;
-            shf.l.clamp.b32 t, $3, $2, $4;
-            mul.hi.u32 sa, t, 65536;
-            mad.lo.u32 xa, sa, 89226354, 64248484;
-            mad.lo.u32 xb, t, 89226354, 1584945828;
-            mad.lo.u32 xb, xa, 0xFFFF0000, xb;
-            lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            prmt.b32 lo, xa, xb, 0x5410;
-            prmt.b32 hi, xa, xb, 0x7632;
-            add.rn.f16x2 v, lo, hi;
-            mov.b32 {$0, $1}, v;
-            }""",
-            "=h,=h,r,r,r", args, dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        va, vb = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, sa, xa, xb, lo, hi, v;
-            shf.l.clamp.b32 t, $3, $2, $4;
-            shr.u32 sa, t, 16;
-            mad.lo.u32 xa, sa, 89226354, 64248484;
-            mad.lo.u32 xb, t, 89226354, 1584945828;
-            mad.lo.u32 xb, xa, 0xFFFF0000, xb;
-            lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            prmt.b32 lo, xa, xb, 0x5410;
-            prmt.b32 hi, xa, xb, 0x7632;
-            add.rn.f16x2 v, lo, hi;
-            mov.b32 {$0, $1}, v;
-            }""",
-            "=h,=h,r,r,r", args, dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    return va, vb
-
-
 class Ablation(enum.IntEnum):
     """Measurement-only kernel variants that split the runtime (never a default: results are wrong)."""
 
@@ -248,48 +184,6 @@ def decode_block(tr_ptr, tn0, tk0, KT, BITS: tl.constexpr, BN: tl.constexpr, BKT
     else:
         v = state_values(w0, w1, off, USE_PTX)
     return tl.reshape(v, (BN, BKT * 16))
-
-
-@triton.jit
-def decode_block_pairs(tr_ptr, tn0, tk0, KT, BN: tl.constexpr, BKT: tl.constexpr, USE_PTX: tl.constexpr,
-                       ABLATION: tl.constexpr = 0, HI_MUL: tl.constexpr = True):
-    """``decode_block`` for K=2 with the columns of each 16-wide tile in pair order.
-
-    Position 2c + j of a tile holds column c + 8j (c in 0..7, j in 0..1): columns c and c + 8 of
-    row r are the high and low halves of one funnel-shifted word, so they are decoded together
-    (``pair_values``) and interleaved by tl.join, which keeps both in the same thread's registers.
-    A GEMM consuming this block must permute its k index the same way (``pair_order``).
-    HI_MUL selects the PTX variant (``pair_values_ptx``); the fallback ignores it.
-    """
-    n = tl.arange(0, BN)[:, None, None]
-    r = n % 16
-    t = tl.arange(0, BKT)[None, :, None]
-    c = tl.arange(0, 8)[None, None, :]
-    tile = ((tn0 + n // 16) * KT + (tk0 + t)) * 16  # [BN, BKT, 1] first word of each tile
-    i0 = tile + r
-    i1 = tile + (r + 1) % 16
-    if ABLATION == 1:
-        w0 = _synth_word(i0)
-        w1 = _synth_word(i1)
-    else:
-        w0 = tl.load(tr_ptr + i0)
-        w1 = tl.load(tr_ptr + i1)
-    off = c * 2
-    if ABLATION == 2:
-        va = (w0 + off).to(tl.int16).to(tl.float16, bitcast=True)
-        vb = (w1 + off).to(tl.int16).to(tl.float16, bitcast=True)
-    elif USE_PTX:
-        va, vb = pair_values_ptx(w0, w1, off, HI_MUL)
-    else:
-        va, vb = pair_values(w0, w1, off)
-    return tl.reshape(tl.join(va, vb), (BN, BKT * 16))
-
-
-@triton.jit
-def pair_order(p):
-    """Column of a tile-blocked k index held at position ``p`` of a ``decode_block_pairs`` block."""
-    q = p % 16
-    return p - q + q // 2 + 8 * (q % 2)
 
 
 # -- Rounding helpers ---------------------------------------------------------------------------

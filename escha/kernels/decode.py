@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
-from .codec import Ablation, CodecPath, decode_block, decode_block_pairs, default_codec_path, round_to
+from .codec import Ablation, CodecPath, decode_block, default_codec_path, round_to
 from .splitk import decode_split_k
 from .transforms import hadamard_input, hadamard_output, hadamard_pm1, row_scale_block
 
@@ -39,15 +39,12 @@ def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr,
                    M, N_out, Np, Kp, KT, NKB, stride_ym, STEPS: tl.constexpr,
                    BITS: tl.constexpr, BN: tl.constexpr, BKT: tl.constexpr, BM: tl.constexpr,
                    SPLIT: tl.constexpr, FUSE_OUTPUT: tl.constexpr, USE_PTX: tl.constexpr,
-                   ABLATION: tl.constexpr, PAIRED: tl.constexpr = False,
-                   HI_MUL: tl.constexpr = True):
+                   ABLATION: tl.constexpr):
     """Program (nb, s): z^T rows nb*BN.. over k-blocks s*STEPS .. s*STEPS + STEPS - 1.
 
     STEPS = ceil(NKB / SPLIT) is constexpr: the CPU interpreter (numpy >= 2.4) cannot loop to a
     runtime bound. Steps past the last k-block re-decode block NKB-1 against zeroed activations,
     which adds exact zeros (3INST values are finite); only the last slices ever do so.
-    PAIRED (K=2 only): the weight block comes in codec.decode_block_pairs' column order, and x'
-    was stored in the same order by the input transform (a k permutation leaves the dot unchanged).
     """
     nb = tl.program_id(0)
     s = tl.program_id(1)
@@ -60,10 +57,7 @@ def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr,
     for i in range(STEPS):
         kb = s * STEPS + i
         kbc = tl.minimum(kb, NKB - 1)
-        if PAIRED:
-            w = decode_block_pairs(tr_ptr, nb * (BN // 16), kbc * BKT, KT, BN, BKT, USE_PTX, ABLATION, HI_MUL)
-        else:
-            w = decode_block(tr_ptr, nb * (BN // 16), kbc * BKT, KT, BITS, BN, BKT, USE_PTX, ABLATION)
+        w = decode_block(tr_ptr, nb * (BN // 16), kbc * BKT, KT, BITS, BN, BKT, USE_PTX, ABLATION)
         xb = tl.load(x_ptrs + kbc * BK, mask=x_mask & (kb < NKB), other=0.0)
         acc = tl.dot(w, xb, acc)
     n = nb * BN + tl.arange(0, BN)[:, None]
@@ -92,8 +86,6 @@ class DecodeConfig:
     codec: CodecPath = CodecPath.TRITON
     ablation: Ablation = Ablation.NONE  # benchmark-only
     fuse_output: bool = True  # output transform in the GEMM epilogue when split == 1 and block_n == 128
-    pair_columns: bool = True  # K=2: decode columns c and c+8 from one funnel shift (codec.decode_block_pairs)
-    pair_hi_mul: bool = True  # paired PTX: first state by IMAD.HI (FMA pipe) instead of SHF (ALU pipe)
 
 
 def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeConfig:
@@ -105,9 +97,6 @@ def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = Non
       kernel; fusing it (block_n = 128) measured no faster.
     * split: splitk.decode_split_k(nblk, ktiles), fitted on the H200.
     * codec: PTX on NVIDIA GPUs, pure Triton elsewhere (the interpreter).
-    * pair_columns = False: the paired codec (docs/KERNELS.md "Column pairs") cuts the loop's
-      integer ops by 10% offline, but measured slower on the H200 (gate_up M=1: 68.5 us paired
-      with IMAD.HI, 66.1 us paired with shifts, 56.1 us unpaired; benchmarks/results/decode_h200_pairs.txt).
     """
     if not 1 <= m <= MAX_DECODE_M:
         raise ValueError(f"decode handles 1..{MAX_DECODE_M} tokens, got {m}")
@@ -116,8 +105,7 @@ def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = Non
     block_n = 64
     split = decode_split_k(np_ // 128, kp // TILE)  # the rule was fitted in units of 128-row blocks
     return DecodeConfig(block_n=block_n, block_kt=8, block_m=max(16, triton.next_power_of_2(m)), split=split,
-                        num_warps=4, num_stages=1, codec=default_codec_path(device), fuse_output=split == 1,
-                        pair_columns=False, pair_hi_mul=True)
+                        num_warps=4, num_stages=1, codec=default_codec_path(device), fuse_output=split == 1)
 
 
 def decode_matmul(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None = None,
@@ -160,8 +148,7 @@ def _decode_impl(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | No
     nkb = kp // TILE // cfg.block_kt
     split = max(1, min(cfg.split, nkb))
     fuse = cfg.fuse_output and split == 1 and cfg.block_n == HAD_BLOCK
-    paired = cfg.pair_columns and qw.bits == 2
-    xq, inv = hadamard_input(x2d, qw, pair_order=paired)
+    xq, inv = hadamard_input(x2d, qw)
     if out is None:
         y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
     else:
@@ -175,7 +162,6 @@ def _decode_impl(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | No
                          m, qw.out_features, np_, kp, kp // TILE, nkb, y.stride(0), STEPS=triton.cdiv(nkb, split),
                          BITS=qw.bits, BN=cfg.block_n, BKT=cfg.block_kt, BM=cfg.block_m, SPLIT=split,
                          FUSE_OUTPUT=fuse, USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=int(cfg.ablation),
-                         PAIRED=paired, HI_MUL=cfg.pair_hi_mul,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fuse:
         hadamard_output(ws, qw, inv, y)
@@ -195,6 +181,3 @@ def _decode_impl(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | No
 # block_n=64 halves the per-program register tile and doubles programs at the same split.
 # Fusing the output transform (block_n=128, split=1) measured no faster than the separate kernel.
 # Split: splitk.decode_split_k, fitted on 18 measured points (benchmarks/fit_splitk.py).
-# pair_columns / pair_hi_mul: chosen from the sm_90 SASS census only (loop issue 528 -> 378 cycles
-# per warp and step at block_n 64, M=8; docs/KERNELS.md "Column pairs"); the benchmark times the
-# "unpaired" and "pair_shr" arms next to the default so the faster one can be set here.

@@ -51,13 +51,8 @@ def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
 
 @triton.jit
 def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
-                            CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            PAIR_ORDER: tl.constexpr = False):
-    """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
-
-    PAIR_ORDER stores column 16t + c + 8j at position 16t + 2c + j (codec.decode_block_pairs'
-    order), so that the decode GEMM reads its activation blocks contiguously.
-    """
+                            CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr):
+    """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16."""
     m = tl.program_id(0)
     pc = tl.program_id(1)
     row = x_ptr + m.to(tl.int64) * stride_xm
@@ -84,21 +79,15 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm,
     xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
     h = tl.dot(xs, hadamard_pm1(128, tl.float32), input_precision="tf32x3")
     h = (h * 0.08838834764831845) * scale
-    if PAIR_ORDER:
-        q = k % 16
-        dst = k - q + 2 * (q % 8) + q // 8
-    else:
-        dst = k
-    tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
+    tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float16), mask=k < Kp)
 
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | None = None,
-                   inv_scale: torch.Tensor | None = None, pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   inv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
-    two (module docstring). ``out``/``inv_scale`` may be preallocated workspaces. ``pair_order``
-    permutes each 16 columns into codec.decode_block_pairs' order (for the paired decode GEMM).
+    two (module docstring). ``out``/``inv_scale`` may be preallocated workspaces.
     """
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
@@ -112,7 +101,7 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | N
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
     _input_transform_kernel[grid](x2d, qw.sv, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),
                                   CH=ch, AMAX_BLOCK=1024,
-                                  AMAX_STEPS=triton.cdiv(qw.in_features, 1024), PAIR_ORDER=pair_order,
+                                  AMAX_STEPS=triton.cdiv(qw.in_features, 1024),
                                   num_warps=4)
     return out, inv_scale
 
