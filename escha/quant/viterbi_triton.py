@@ -21,15 +21,18 @@ from .viterbi import EXCLUDED, Trellis
 STEPS_PER_LAUNCH = {1: 8, 2: 4, 3: 3, 4: 2}
 
 
-@dataclass
-class LaunchConfig:
-    """States held by one program (cores x group states) and its warps; set by measurement."""
+@dataclass(frozen=True)
+class ViterbiLaunch:
+    """Launch parameters of the DP kernel; ``viterbi_launch`` is the rule that picks them."""
 
-    program_states: int = 2048  # fastest of 2048/4096/8192 x 4/8 warps on the H200
-    num_warps: int = 4
+    program_states: int  # states held by one program (cores x group states)
+    num_warps: int
 
 
-LAUNCH = LaunchConfig()
+def viterbi_launch(trellis: Trellis, device: torch.device) -> ViterbiLaunch:
+    """The rule: 2048 states a program at 4 warps, the fastest of 2048/4096/8192 x 4/8 warps on
+    the H200 (benchmarks/bench_quant.py tune_launch); the same for every trellis and device."""
+    return ViterbiLaunch(program_states=2048, num_warps=4)
 
 
 @triton.jit
@@ -90,8 +93,13 @@ def chunk_plan(trellis: Trellis, n: int) -> list[tuple[int, int]]:
 
 
 def viterbi_triton(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
-                   overlap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as escha.quant.viterbi.viterbi; runs on CUDA (or TRITON_INTERPRET=1)."""
+                   overlap: torch.Tensor | None = None, *,
+                   config: ViterbiLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as escha.quant.viterbi.viterbi; runs on CUDA (or TRITON_INTERPRET=1).
+
+    ``config`` overrides ``viterbi_launch``.
+    """
+    cfg = config or viterbi_launch(trellis, x.device)
     t_count, n = x.shape
     big_l, k = trellis.state_bits, trellis.bits
     x = x.float().contiguous()
@@ -106,10 +114,10 @@ def viterbi_triton(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
     bp = torch.empty((n, t_count, trellis.n_groups), dtype=torch.uint8, device=x.device)
     for t0, d in chunk_plan(trellis, n):
         s = 1 << (k * d)
-        c = min(max(LAUNCH.program_states // s, 1), 1 << (big_l - k * d))
+        c = min(max(cfg.program_states // s, 1), 1 << (big_l - k * d))
         grid = (t_count, (1 << (big_l - k * d)) // c)
         _dp_chunk_kernel[grid](cost, other, bp, x, table16, t0, t_count, n,
-                               K=k, D=d, C=c, L=big_l, num_warps=LAUNCH.num_warps)
+                               K=k, D=d, C=c, L=big_l, num_warps=cfg.num_warps)
         cost, other = other, cost
     if overlap is not None:
         cost = torch.where((states_all[None, :] & trellis.overlap_mask) == overlap[:, None], cost, EXCLUDED)
