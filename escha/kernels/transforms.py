@@ -19,34 +19,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .codec import round_to
-
-INV_SQRT_BLOCK = 0.08838834764831845  # 1/sqrt(128)
-
-
-@triton.jit
-def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
-    """The unnormalized Sylvester matrix H[i, j] = (-1)**popcount(i & j), [BLOCK, BLOCK] in ``dtype``.
-
-    Built from indices in registers, so no constant tensor is copied to the device (a host copy
-    is not allowed inside CUDA-graph capture). The parity fold covers BLOCK <= 128.
-    """
-    i = tl.arange(0, BLOCK)[:, None]
-    j = tl.arange(0, BLOCK)[None, :]
-    a = i & j
-    a = a ^ (a >> 4)
-    a = a ^ (a >> 2)
-    a = a ^ (a >> 1)
-    return (1 - 2 * (a & 1)).to(dtype)
-
-
-@triton.jit
-def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
-    """g*c*su for output channels n, in fp32, multiplied in escha.format.row_scale's order."""
-    g = tl.load(g_ptr)
-    c = tl.load(rs_c_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    su = tl.load(su_ptr + n, mask=mask, other=0).to(tl.float32)
-    return g * c * su
+from .common import INV_SQRT_HAD, SQRT_HAD, hadamard_pm1, round_to, row_scale_block
 
 
 @triton.jit
@@ -65,7 +38,7 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm,
         amax = tl.maximum(amax, tl.abs(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)))
     a = tl.max(amax, axis=0)
     # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
-    q = 32768.0 / (a * 11.313708498984761)
+    q = 32768.0 / (a * SQRT_HAD)
     e = ((q.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
     e = tl.minimum(tl.maximum(e, -64), 64)
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -78,7 +51,7 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm,
     xs = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
     xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
     h = tl.dot(xs, hadamard_pm1(128, tl.float32), input_precision="tf32x3")
-    h = (h * 0.08838834764831845) * scale
+    h = (h * INV_SQRT_HAD) * scale
     tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float16), mask=k < Kp)
 
 
@@ -107,7 +80,7 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | N
 
 
 @triton.jit
-def _output_transform_kernel(z_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_out, Np, stride_ym,
+def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, M, N_out, Np, stride_ym,
                              SPLIT: tl.constexpr, BM: tl.constexpr):
     """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
 
@@ -122,8 +95,8 @@ def _output_transform_kernel(z_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_o
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask, other=0.0)
-    h = tl.dot(z, hadamard_pm1(128, tl.float32), input_precision="tf32x3") * 0.08838834764831845
-    rs = row_scale_block(c_ptr, su_ptr, g_ptr, n, n < N_out)
+    h = tl.dot(z, hadamard_pm1(128, tl.float32), input_precision="tf32x3") * INV_SQRT_HAD
+    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
     y = h * rs * inv
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
