@@ -37,37 +37,37 @@ def viterbi_launch(trellis: Trellis, device: torch.device) -> ViterbiLaunch:
 
 @triton.jit
 def _dp_chunk_kernel(cost_in, cost_out, bp_ptr, x_ptr, table_ptr, t0, n_tiles, n,
-                     K: tl.constexpr, D: tl.constexpr, C: tl.constexpr, L: tl.constexpr):
+                     BITS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, L: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
-    S: tl.constexpr = 1 << (K * D)
-    P: tl.constexpr = S >> K
-    CORE: tl.constexpr = L - K * D
-    G1: tl.constexpr = 1 << (L - K)
+    S: tl.constexpr = 1 << (BITS * D)
+    P: tl.constexpr = S >> BITS
+    CORE: tl.constexpr = L - BITS * D
+    G1: tl.constexpr = 1 << (L - BITS)
     c = (tl.program_id(1) * C + tl.arange(0, C))[:, None]  # core values [C, 1]
     f = tl.arange(0, S)[None, :]  # group-local state [1, S]
     pf = tl.arange(0, P)[None, :]
     # At step offset 0 the group-local bits all precede the core.
     cost = tl.load(cost_in + tile * (1 << L) + ((f << CORE) | c))
     for i in tl.static_range(D):
-        cost3 = tl.reshape(cost, (C, 1 << K, P))
+        cost3 = tl.reshape(cost, (C, 1 << BITS, P))
         m, a = tl.min(cost3, axis=1, return_indices=True)
-        # Predecessor group p = s_new >> K of each new state, in global numbering.
-        p = ((pf >> (K * i)) << (L - K * (D - i))) | (c << (K * i)) | (pf & ((1 << (K * i)) - 1))
+        # Predecessor group p = s_new >> BITS of each new state, in global numbering.
+        p = ((pf >> (BITS * i)) << (L - BITS * (D - i))) | (c << (BITS * i)) | (pf & ((1 << (BITS * i)) - 1))
         t = t0 + i
         tl.store(bp_ptr + (t * n_tiles + tile) * G1 + p, a.to(tl.uint8))
-        cost = tl.reshape(tl.broadcast_to(m[:, :, None], (C, P, 1 << K)), (C, S))
+        cost = tl.reshape(tl.broadcast_to(m[:, :, None], (C, P, 1 << BITS)), (C, S))
         j = i + 1
-        s = ((f >> (K * j)) << (L - K * (D - j))) | (c << (K * j)) | (f & ((1 << (K * j)) - 1))
+        s = ((f >> (BITS * j)) << (L - BITS * (D - j))) | (c << (BITS * j)) | (f & ((1 << (BITS * j)) - 1))
         v = tl.load(table_ptr + s).to(tl.float32)
         xv = tl.load(x_ptr + tile * n + t)
         d = v - xv
         cost = cost + d * d
-    tl.store(cost_out + tile * (1 << L) + ((c << (K * D)) | f), cost)
+    tl.store(cost_out + tile * (1 << L) + ((c << (BITS * D)) | f), cost)
 
 
 @triton.jit
 def _traceback_kernel(last_ptr, bp_ptr, states_ptr, n_tiles, n: tl.constexpr,
-                      K: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr):
+                      BITS: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr):
     tiles = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = tiles < n_tiles
     t64 = tiles.to(tl.int64)
@@ -75,9 +75,9 @@ def _traceback_kernel(last_ptr, bp_ptr, states_ptr, n_tiles, n: tl.constexpr,
     tl.store(states_ptr + t64 * n + (n - 1), s, mask=mask)
     for tt in range(1, n):
         t = n - tt
-        p = s >> K
-        a = tl.load(bp_ptr + (t * n_tiles + t64) * (1 << (L - K)) + p, mask=mask, other=0).to(tl.int32)
-        s = (a << (L - K)) | p
+        p = s >> BITS
+        a = tl.load(bp_ptr + (t * n_tiles + t64) * (1 << (L - BITS)) + p, mask=mask, other=0).to(tl.int32)
+        s = (a << (L - BITS)) | p
         tl.store(states_ptr + t64 * n + (t - 1), s, mask=mask)
 
 
@@ -117,7 +117,7 @@ def viterbi_triton(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
         c = min(max(cfg.program_states // s, 1), 1 << (big_l - k * d))
         grid = (t_count, (1 << (big_l - k * d)) // c)
         _dp_chunk_kernel[grid](cost, other, bp, x, table16, t0, t_count, n,
-                               K=k, D=d, C=c, L=big_l, num_warps=cfg.num_warps)
+                               BITS=k, D=d, C=c, L=big_l, num_warps=cfg.num_warps)
         cost, other = other, cost
     if overlap is not None:
         cost = torch.where((states_all[None, :] & trellis.overlap_mask) == overlap[:, None], cost, EXCLUDED)
@@ -125,5 +125,5 @@ def viterbi_triton(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
     states = torch.empty((t_count, n), dtype=torch.int32, device=x.device)
     block = 128
     _traceback_kernel[(triton.cdiv(t_count, block),)](last.to(torch.int32).contiguous(), bp, states,
-                                                       t_count, n, K=k, L=big_l, BLOCK=block)
+                                                       t_count, n, BITS=k, L=big_l, BLOCK=block)
     return states.to(torch.int64), best
