@@ -73,8 +73,24 @@ def _round_probe(x_ptr, o_ptr, n, N: tl.constexpr):
     tl.store(o_ptr + i, common.round_to(tl.load(x_ptr + i, mask=i < n), o_ptr.dtype.element_ty), mask=i < n)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+ROUND_DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", ROUND_DTYPES)
 def test_rounding_helpers_match_torch(dtype):
+    """round_to: integer arithmetic under the interpreter, the hardware conversion on a GPU."""
+    _check_round_to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ROUND_DTYPES)
+def test_hardware_rounding_matches_torch_gpu(dtype):
+    """The compiled round_to (cvt.rn) on the GPU, in the gpu-marked run too."""
+    _check_round_to(dtype)
+
+
+def _check_round_to(dtype):
     g = torch.Generator().manual_seed(5)
     if dtype == torch.float8_e4m3fn:
         x = torch.cat([torch.randn(4000, generator=g) * 60, torch.randn(4000, generator=g) * 0.01,

@@ -58,5 +58,7 @@ def test_dequant_gpu_ptx_vs_triton_full_size(bits):
         a, _ = dequantize_core(qw, dt, config=replace(dequant_config(qw), codec=CodecPath.PTX))
         b, _ = dequantize_core(qw, dt, config=replace(dequant_config(qw), codec=CodecPath.TRITON))
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        # The hardware rounding (common.round_to) gives torch's round-to-nearest-even bits.
+        assert torch.equal(a.cpu().view(torch.uint8), _expected(qw, dt).view(torch.uint8))
     assert torch.equal(dequantize_core(qw, torch.float16)[0].view(torch.int16),
                        decode_trellis(qw).view(torch.int16))
