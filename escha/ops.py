@@ -1,6 +1,6 @@
 """escha.matmul: y = x @ W_hat^T for an Escha W2 weight, dispatched to a kernel path.
 
-Paths (``KernelPath``) and the op each runs (``OPS``, the dispatch table):
+Paths (``KernelPath``) and the op each runs (``dispatch_table()``):
     reference     plain PyTorch through the transform domain (escha.format), fp32 math.
     decode        the decode GEMM (escha.kernels.decode), for few rows (M <= 64).
     prefill       the fused kernel: trellis decoded inside an fp8 tensor-core GEMM.
@@ -8,7 +8,11 @@ Paths (``KernelPath``) and the op each runs (``OPS``, the dispatch table):
     dequant-bf16  dequantize once to a bf16 scratch, then a bf16 matmul: the accuracy-first path.
 
 Every op has the shape ``op(x, qw, *, config=None)`` and picks its own launch configuration by
-its rule; adding a path is one ``KernelPath`` member and one ``OPS`` entry.
+its rule; adding a path is one ``KernelPath`` member and one entry in ``dispatch_table``.
+
+The kernels (and Triton) are imported on first use, not by ``import escha``: Triton decides
+whether kernels run in its CPU interpreter when they are defined, so ``escha demo`` must be able
+to set TRITON_INTERPRET after importing escha and before the first kernel is defined.
 
 Which path runs is a pure function of (M, precision, DispatchRule): ``DispatchRule.choose``. The
 rule's numbers come from the measured crossovers in benchmarks/results/prefill.md. A caller
@@ -29,6 +33,7 @@ with the host or copies from host memory.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,10 +41,6 @@ import torch
 
 from .format.codec import matmul_reference
 from .format.qweight import TENSOR_NAMES, QuantizedWeight
-from .kernels import common
-from .kernels.decode import MAX_DECODE_M, decode
-from .kernels.dequant_once import dequant_bf16, dequant_fp8
-from .kernels.prefill import prefill
 
 
 class KernelPath(str, enum.Enum):
@@ -83,14 +84,23 @@ class PathOp:
     kernel: bool = True
 
 
-#: The dispatch table: path -> op.
-OPS: dict[KernelPath, PathOp] = {
-    KernelPath.REFERENCE: PathOp(reference, kernel=False),
-    KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M),
-    KernelPath.PREFILL: PathOp(prefill),
-    KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
-    KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
-}
+@functools.cache
+def dispatch_table() -> dict[KernelPath, PathOp]:
+    """The dispatch table: path -> op (built on first use, which imports the kernels)."""
+    from .kernels import decode, dequant_bf16, dequant_fp8, prefill
+    from .kernels.decode import MAX_DECODE_M
+    return {
+        KernelPath.REFERENCE: PathOp(reference, kernel=False),
+        KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M),
+        KernelPath.PREFILL: PathOp(prefill),
+        KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
+        KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
+    }
+
+
+def _kernels_run_on(device: torch.device) -> bool:
+    from .kernels import common
+    return common.kernels_run_on(device)
 
 
 @dataclass(frozen=True)
@@ -105,8 +115,8 @@ class DispatchRule:
     fused kernel stays selectable (path="prefill", or a rule with a larger dequant_min_m).
     """
 
-    decode_max_m: int = MAX_DECODE_M
-    dequant_min_m: int = MAX_DECODE_M + 1
+    decode_max_m: int = 64  # the decode kernel's whole range (kernels.decode.MAX_DECODE_M)
+    dequant_min_m: int = 65
 
     def choose(self, m: int, precision: Precision | str = Precision.FP8) -> KernelPath:
         """The path for M rows at this precision."""
@@ -134,13 +144,14 @@ _PRECISION_CODE: dict[object, int] = {**{p: i for i, p in enumerate(_PRECISIONS)
 
 def check_inputs(x: object, qw: object) -> None:
     """Raise a TypeError/ValueError naming the problem if (x, qw) cannot be multiplied."""
+    from .kernels import common
     common.check_operands(x, qw)
 
 
 def available_paths(qw: QuantizedWeight, M: int) -> list[KernelPath]:
     """Every path that can run for this weight at M rows on its device (reference always)."""
-    kernels = common.kernels_run_on(qw.device)
-    return [p for p, op in OPS.items()
+    kernels = _kernels_run_on(qw.device)
+    return [p for p, op in dispatch_table().items()
             if (kernels or not op.kernel) and (op.max_m is None or M <= op.max_m)]
 
 
@@ -148,7 +159,7 @@ def resolve_path(m: int, device: torch.device, codebook_id: int, path: KernelPat
                  precision: Precision | str = Precision.FP8,
                  rule: DispatchRule = DEFAULT_RULE) -> KernelPath:
     """The path a call with these arguments runs (what ``matmul`` does, without running it)."""
-    if not common.kernels_run_on(device) or codebook_id != 0:
+    if not _kernels_run_on(device) or codebook_id != 0:
         # The kernels implement the 3INST codebook (id 0) only; others decode by reference.
         return KernelPath.REFERENCE
     return rule.choose(m, precision) if path is None else _PATHS[_PATH_CODE[path]]
@@ -173,7 +184,7 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     chosen = resolve_path(m, x.device, codebook_id, None if path == _AUTO else _PATHS[path],
                           _PRECISIONS[precision], rule)
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
-    return OPS[chosen].run(x2d, qw).reshape(*x.shape[:-1], out_features)
+    return dispatch_table()[chosen].run(x2d, qw).reshape(*x.shape[:-1], out_features)
 
 
 def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:

@@ -6,7 +6,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import escha
 from escha.bench.arms import make_arm
 from escha.format import dequantize, random_qweight
-from escha.ops import DEFAULT_RULE, OPS, DispatchRule, KernelPath, Precision, available_paths, resolve_path
+from escha.ops import (DEFAULT_RULE, DispatchRule, KernelPath, Precision, available_paths, dispatch_table,
+                       resolve_path)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -76,7 +77,9 @@ def test_available_paths():
     assert paths[0] == KernelPath.REFERENCE and KernelPath.PREFILL in paths and KernelPath.DEQUANT_BF16 in paths
     assert KernelPath.DECODE not in paths  # only offered for M <= 64
     assert KernelPath.DECODE in available_paths(qw, 64)
-    assert set(OPS) == set(KernelPath)  # every path has an op in the dispatch table
+    assert set(dispatch_table()) == set(KernelPath)  # every path has an op in the dispatch table
+    from escha.kernels.decode import MAX_DECODE_M
+    assert DEFAULT_RULE.decode_max_m == MAX_DECODE_M == dispatch_table()[KernelPath.DECODE].max_m
     # The names are what the benchmark tool accepts as escha-<path> arms.
     assert [make_arm(f"escha-{p}").name for p in paths] == [f"escha-{p.value}" for p in paths]
 

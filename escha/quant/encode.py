@@ -10,13 +10,15 @@ import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..format.spec import STATE_BITS
 from .viterbi import Trellis, viterbi, viterbi_tailbiting
-from .viterbi_triton import ViterbiLaunch, viterbi_triton
+
+if TYPE_CHECKING:
+    from .viterbi_triton import ViterbiLaunch
 
 Progress = Callable[[int, int], None]
 
@@ -79,6 +81,9 @@ def batch_size(trellis: Trellis, n: int, device: torch.device, triton_path: bool
 
 def _viterbi_fn(triton_path: bool, launch: ViterbiLaunch | None) -> Callable:
     if triton_path:
+        # Imported where it runs: importing Triton at `import escha` would fix the interpreter
+        # mode before `escha demo` chooses it (escha/ops.py).
+        from .viterbi_triton import viterbi_triton
         return functools.partial(viterbi_triton, config=launch)
     return viterbi
 
