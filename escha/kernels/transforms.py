@@ -55,21 +55,18 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm,
     tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float16), mask=k < Kp)
 
 
-def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | None = None,
-                   inv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
-    two (module docstring). ``out``/``inv_scale`` may be preallocated workspaces.
+    two (module docstring).
     """
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
-    if out is None:
-        out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
-    if inv_scale is None:
-        inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
+    out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
+    inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = 16
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
     _input_transform_kernel[grid](x2d, qw.sv, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),

@@ -60,6 +60,7 @@ class _Run:
     skipped: list[str] = field(default_factory=list)
 
     def tail_linears(self) -> list[tuple[str, nn.Linear]]:
+        """The Linears after the stack to quantize (tied output embeddings are skipped, and noted)."""
         out = []
         for name, mod in target_linears(self.model, "", self.options.skip):
             if name.startswith(self.stack_name + "."):
@@ -91,8 +92,8 @@ class InMemory:
         self.candidates: Candidates = {}
         self.linears: list[tuple[str, nn.Module]] = []  # every quantized Linear, with its original module
 
-    def load(self, index: int, prefix: str, layer: nn.Module) -> None:
-        """Make layer ``index`` ready to run (it already is)."""
+    def load(self, prefix: str, layer: nn.Module) -> None:
+        """Make the layer at ``prefix`` ready to run (it already is)."""
 
     def resume(self, key: str) -> tuple[Candidates, list[LinearStats]] | None:
         """Results stored by an earlier run (never, in memory)."""
@@ -119,8 +120,8 @@ class Streamed:
         self.buffers = {n for n, _ in model.named_buffers()}
         self.keys: dict[str, str] = {}  # the current layer's tensor names -> checkpoint keys
 
-    def load(self, index: int, prefix: str, layer: nn.Module) -> None:
-        """Read layer ``index``'s tensors from the checkpoint onto the device."""
+    def load(self, prefix: str, layer: nn.Module) -> None:
+        """Read the tensors of the layer at ``prefix`` from the checkpoint onto the device."""
         layer_names = [n for n in self.names if n.startswith(prefix + ".")]
         self.keys = load_tensors(self.model, layer_names, self.reader, self.device, self.dtype,
                                  optional=self.buffers)
@@ -153,6 +154,7 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
     """Quantize every layer of the stack, then the modules after it; returns whether there were any."""
 
     def results(key: str, linears, quantize, note: str, index: int) -> Candidates:
+        """The stored results of ``key`` if the source has them, else ``quantize()``'s, kept."""
         stored = source.resume(key)
         if stored is not None:
             qws, stats = stored
@@ -168,7 +170,7 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
         t1 = time.perf_counter()
         prefix = f"{run.stack_name}.{i}"
         layer = run.stack[i]
-        source.load(i, prefix, layer)
+        source.load(prefix, layer)
         linears = target_linears(layer, prefix, run.options.skip)
         qws = results(layer_key(i), linears, lambda: _quantize_layer(run, calib, layer, linears, i),
                       f"layer {i}", i)
