@@ -208,8 +208,8 @@ def main() -> None:
             arms["cublas_bf16"] = (graph_of(lambda w: torch.matmul(x, w.t()), dense), len(dense))
             t = interleaved(arms, args.rounds)
             for key, us in t.items():
-                rows.append({"shape": name, "N": n, "K": k, "M": m, "arm": key, "us": us,
-                             "config": {a: str(b) for a, b in asdict(variants[key]).items()} if key in variants else None,
+                config = {a: str(b) for a, b in asdict(variants[key]).items()} if key in variants else None
+                rows.append({"shape": name, "N": n, "K": k, "M": m, "arm": key, "us": us, "config": config,
                              "ablation": ablations[key].name if key in ablations else None})
             kern = decode_kernel_handle(x, qws[0], base)
             c = sass_census(kern, base)

@@ -21,9 +21,6 @@ FAST_OPTS = dict(encoder="greedy", use_hessian=False, seq_len=48, progress=False
 N_LINEARS = 14  # 2 layers x (q, k, v, o, gate, up, down)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def make_tiny(path, shard: bool = True, tie: bool = False):
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2,

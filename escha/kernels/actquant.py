@@ -153,9 +153,9 @@ def partial_amax_workspace(device: torch.device, m: int, nkb: int) -> torch.Tens
 
 def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
              config: ActQuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [..., in] (fp16/bf16/fp32) -> (x' [M, Kp], scale [M] or None), x' = Hk (sv * pad(x)).
+    """x [..., in] (fp16/bf16/fp32) -> (x' [M, Kp], xscale [M] or None), x' = Hk (sv * pad(x)).
 
-    fp8=True: x' is float8_e4m3fn and x'_true[m] = x'[m].float() * scale[m] (the Hadamard's
+    fp8=True: x' is float8_e4m3fn and x'_true[m] = x'[m].float() * xscale[m] (the Hadamard's
     1/sqrt(128) is inside the scale). fp8=False: x' is bfloat16, already normalized.
     ``config`` overrides ``actquant_config``.
     """
@@ -167,9 +167,9 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     kp = qw.padded_shape[1]
     cfg = config or actquant_config(qw, m, x.device)
     out = torch.empty((m, kp), device=x.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
-    scale = torch.empty((m,), device=x.device, dtype=torch.float32) if fp8 else None
+    xscale = torch.empty((m,), device=x.device, dtype=torch.float32) if fp8 else None
     if m == 0:
-        return out, scale
+        return out, xscale
     nkb = kp // HAD_BLOCK
     r = cfg.rows_per_prog
     grid = (triton.cdiv(m, cfg.block_m * r), nkb)
@@ -183,9 +183,9 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
     # per model) and a constant-size reduction in pass 2.
     absmax_kernel[grid](x2d, qw.sv, part, m, k, x2d.stride(0), NKB=nkb, **launch)
-    quantize_kernel[grid](x2d, qw.sv, part, out, scale, m, k, x2d.stride(0), out.stride(0),
+    quantize_kernel[grid](x2d, qw.sv, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
                           NKB=nkb, NKB_P2=triton.next_power_of_2(nkb), **launch)
-    return out, scale
+    return out, xscale
 
 # Configuration note. The grid is (row blocks) x (128-wide k blocks): at M=512, K=5120 that is
 # 8 x 40 = 320 programs per pass (the previous one-program-per-32-rows kernel had 16 and walked

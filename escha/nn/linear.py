@@ -13,8 +13,9 @@ class EschaLinear(nn.Module):
 
     Attributes mirror nn.Linear (``in_features``, ``out_features``, ``bias``). The weight lives in
     buffers named and typed as ``QuantizedWeight.TENSORS`` declares (trellis, su, sv, scale,
-    gscale), so .to(), state_dict() and checkpoints see them: casting the module (``.half()``, ``.to(torch.bfloat16)``) changes only the bias,
-    and moving it (``.to(device)``) moves everything. ``forward`` calls ``escha.matmul``.
+    gscale), so .to(), state_dict() and checkpoints see them: casting the module (``.half()``,
+    ``.to(torch.bfloat16)``) changes only the bias, and moving it (``.to(device)``) moves
+    everything. ``forward`` calls ``escha.matmul``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 2,
