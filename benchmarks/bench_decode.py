@@ -22,8 +22,8 @@ from dataclasses import asdict, replace
 import torch
 
 from escha.format import QuantizedWeight, dequantize, random_qweight
-from escha.kernels import Ablation, CodecPath, decode_config, decode_matmul
-from escha.kernels.decode import decode_kernel_handle
+from escha.kernels import CodecPath, decode, decode_config
+from escha.kernels._bench import Ablation, decode_ablated, decode_kernel_handle
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
 MS = (1, 8, 40, 64)
@@ -104,7 +104,7 @@ def interleaved(arms: dict, rounds: int) -> dict:
 def gate(qw: QuantizedWeight, m: int, cfg) -> float:
     g = torch.Generator(device="cuda").manual_seed(1000 + m)
     x = (torch.randn(m, qw.in_features, device="cuda", generator=g) * 2).to(torch.bfloat16)
-    y = decode_matmul(x, qw, cfg)
+    y = decode(x, qw, config=cfg)
     ref = x.double() @ dequantize(qw).double().T
     err = ((y.double() - ref).norm() / ref.norm()).item()
     if not err < TOL_BF16:
@@ -177,13 +177,10 @@ def main() -> None:
             x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
             base = decode_config(qws[0], m)
             variants = {"escha": base}
-            # The previous kernel and the other paired-codec variant, timed in the same process
-            # (docs/KERNELS.md "Column pairs"); the default is the paired, IMAD.HI one.
-            variants["unpaired"] = replace(base, pair_columns=False)
-            variants["pair_shr"] = replace(base, pair_hi_mul=False)
+            ablations = {}  # variant name -> Ablation (measurement only: wrong results)
             if args.ablate:
-                variants["codec_only"] = replace(base, ablation=Ablation.CODEC_ONLY)
-                variants["loads_only"] = replace(base, ablation=Ablation.LOADS_ONLY)
+                ablations = {"codec_only": Ablation.CODEC_ONLY, "loads_only": Ablation.LOADS_ONLY}
+                variants.update({key: base for key in ablations})
                 variants["triton_codec"] = replace(base, codec=CodecPath.TRITON)
             if args.final:
                 variants["bn128_w8_s1"] = replace(base, block_n=128, num_warps=8, num_stages=1,
@@ -204,14 +201,16 @@ def main() -> None:
             arms = {}
             for key, cfg in variants.items():
                 try:
-                    arms[key] = (graph_of(lambda q, c=cfg: decode_matmul(x, q, c), qws), len(qws))
+                    ab = ablations.get(key, Ablation.NONE)
+                    arms[key] = (graph_of(lambda q, c=cfg, a=ab: decode_ablated(x, q, c, a), qws), len(qws))
                 except Exception as e:  # a variant that fails to compile is reported, not fatal
                     print(f"variant {key} failed: {type(e).__name__}: {str(e)[:200]}")
             arms["cublas_bf16"] = (graph_of(lambda w: torch.matmul(x, w.t()), dense), len(dense))
             t = interleaved(arms, args.rounds)
             for key, us in t.items():
-                rows.append({"shape": name, "N": n, "K": k, "M": m, "arm": key, "us": us,
-                             "config": {a: str(b) for a, b in asdict(variants[key]).items()} if key in variants else None})
+                config = {a: str(b) for a, b in asdict(variants[key]).items()} if key in variants else None
+                rows.append({"shape": name, "N": n, "K": k, "M": m, "arm": key, "us": us, "config": config,
+                             "ablation": ablations[key].name if key in ablations else None})
             kern = decode_kernel_handle(x, qws[0], base)
             c = sass_census(kern, base)
             if m == 8:
@@ -221,8 +220,6 @@ def main() -> None:
             c["floor_us"] = floor_us
             c["share_of_floor"] = floor_us / t["escha"]
             census[f"{name}_M{m}"] = c
-            for key in ("unpaired", "pair_shr"):
-                census[f"{name}_M{m}_{key}"] = sass_census(decode_kernel_handle(x, qws[0], variants[key]), variants[key])
             print(f"{name:8s} M={m:2d} gate={err:.2e} escha={t['escha']:7.1f} cublas={t['cublas_bf16']:6.1f} "
                   f"ratio={t['escha'] / t['cublas_bf16']:.3f} split={base.split} int/w={c['int_ops_per_weight']:.2f} "
                   f"floor={floor_us:.1f} share={c['share_of_floor']:.2f} regs={c['registers']} "

@@ -43,11 +43,16 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
             tie_word_embeddings=False)
 
 
-def make_config(args):
-    import transformers
+def model_shape(args) -> dict:
+    """The Qwen3Config arguments of the benchmarked model (recorded as they are in the results)."""
     shape = dict(TINY if args.tiny else QWEN3_14B)
     if args.layers:
         shape["num_hidden_layers"] = args.layers
+    return shape
+
+
+def make_config(shape: dict):
+    import transformers
     return transformers.Qwen3Config(**shape)
 
 
@@ -192,7 +197,7 @@ def machine(device: torch.device) -> dict:
     return info
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-128 model (CPU smoke test)")
@@ -206,15 +211,51 @@ def main() -> int:
     ap.add_argument("--arms", default="bf16,escha")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def summarize(arms: dict, args, shape: dict, config, device: torch.device) -> dict:
+    """The results document: each arm's rows, the escha/bf16 speedups and what was measured."""
+    results: dict = {"arms": arms}
+    if {"bf16", "escha"} <= set(arms):
+        sp = {}
+        for rb, re in zip(arms["bf16"]["rows"], arms["escha"]["rows"]):
+            sp[str(rb["batch"])] = re["tokens_per_s"] / rb["tokens_per_s"]
+        results["speedup_escha_over_bf16"] = sp
+        if "1" in sp:
+            results["target_batch1"] = {"required": 1.6, "measured": sp["1"], "met": sp["1"] >= 1.6}
+    results.update({
+        "benchmark": "e2e decode", "model": "Qwen3-14B-shaped (random weights)" if not args.tiny else "tiny Qwen3 (smoke test)",
+        # The arguments the config was built from: transformers versions differ in which of them
+        # stay attributes (5.x folds rope_theta into rope_parameters).
+        "config": shape,
+        "layers": config.num_hidden_layers, "bits": args.bits,
+        "weights": "random: bf16 from transformers' init; Escha trellis bits, signs and scales from "
+                   "escha.format.random_qweight; embeddings, norms and lm_head bf16 in both arms",
+        "machine": machine(device),
+    })
+    return results
+
+
+def write_results(results: dict, path: str) -> None:
+    """Write the results document as JSON, creating the folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
     if args.graphs is None:
         args.graphs = "manual" if device.type == "cuda" else "none"
     if args.graphs != "none" and device.type != "cuda":
         ap.error("CUDA graphs need --device cuda")
-    config = make_config(args)
+    shape = model_shape(args)
+    config = make_config(shape)
     batches = [int(b) for b in args.batches.split(",")]
-    results: dict = {"arms": {}}
+    arms: dict = {}
     for arm in args.arms.split(","):
         model = build(config, arm, device, args.bits)
         mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -223,31 +264,16 @@ def main() -> int:
             rows.append(measure(model, b, args, device))
             print(f"{arm:6s} batch {b}: {rows[-1]['tokens_per_s']:.1f} tok/s "
                   f"({rows[-1]['ms_per_step']:.2f} ms/step, graphs={rows[-1]['graphs']})", flush=True)
-        results["arms"][arm] = {"rows": rows, "weights_bytes_on_device": mem}
+        arms[arm] = {"rows": rows, "weights_bytes_on_device": mem}
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if {"bf16", "escha"} <= set(results["arms"]):
-        sp = {}
-        for rb, re in zip(results["arms"]["bf16"]["rows"], results["arms"]["escha"]["rows"]):
-            sp[str(rb["batch"])] = re["tokens_per_s"] / rb["tokens_per_s"]
-        results["speedup_escha_over_bf16"] = sp
-        if "1" in sp:
-            results["target_batch1"] = {"required": 1.6, "measured": sp["1"], "met": sp["1"] >= 1.6}
-        print("speedup escha/bf16:", {k: round(v, 3) for k, v in sp.items()})
-    results.update({
-        "benchmark": "e2e decode", "model": "Qwen3-14B-shaped (random weights)" if not args.tiny else "tiny Qwen3 (smoke test)",
-        "config": {k: getattr(config, k) for k in (QWEN3_14B if not args.tiny else TINY)},
-        "layers": config.num_hidden_layers, "bits": args.bits,
-        "weights": "random: bf16 from transformers' init; Escha trellis bits, signs and scales from "
-                   "escha.format.random_qweight; embeddings, norms and lm_head bf16 in both arms",
-        "machine": machine(device),
-    })
+    results = summarize(arms, args, shape, config, device)
+    if "speedup_escha_over_bf16" in results:
+        print("speedup escha/bf16:", {k: round(v, 3) for k, v in results["speedup_escha_over_bf16"].items()})
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
+        write_results(results, args.out)
         print(f"wrote {args.out}")
     return 0
 

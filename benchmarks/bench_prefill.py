@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -27,33 +27,44 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from escha.format import dequantize, random_qweight  # noqa: E402
 from escha.format.qweight import QuantizedWeight  # noqa: E402
-from escha.kernels import prefill as prefill_mod  # noqa: E402
-from escha.kernels import actquant as actquant_mod  # noqa: E402
-from escha.kernels import dequant_once as dequant_once_mod  # noqa: E402
-from escha.kernels.actquant import ActQuantConfig, actquant  # noqa: E402
-from escha.kernels.dequant_once import DequantConfig, dequant_hn, dequant_once_matmul  # noqa: E402
-from escha.kernels.prefill import PrefillConfig, prefill_matmul_q  # noqa: E402
+from escha.kernels import (ActQuantConfig, actquant, actquant_config, dequant_bf16, dequant_fp8,  # noqa: E402
+                           dequant_once_config, prefill, prefill_config)
+from escha.kernels.actquant import (absmax_kernel, quantize_kernel, rows_per_program,  # noqa: E402
+                                    transform_bf16_kernel)
+from escha.kernels.dequant_once import dequant_hn, dequant_hn_kernel  # noqa: E402
+from escha.kernels.prefill import prefill_kernel  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
 L2_FACTOR = 4
+# Launch-shape overrides of each op's rule (dataclasses.replace on the rule's config at each point).
 PREFILL_CONFIGS = {
-    "prefill-bm128w8": PrefillConfig(128, 8, 1),
-    "prefill-bm256w8": PrefillConfig(256, 8, 1),
+    "prefill-bm128w8": dict(block_m=128, num_warps=8, num_stages=1),
+    "prefill-bm256w8": dict(block_m=256, num_warps=8, num_stages=1),
 }
-# Launch-shape alternatives of the two dequantize-once stages, timed as extra "part-" arms so one
-# run shows whether the defaults (first entry of each) are the best of these candidates.
+# Alternatives of the two dequantize-once stages, timed as extra "part-" arms so one run shows
+# whether the rules' choices (the empty first entry of each) are the best of these candidates.
+# R is the rule's for its block_m; "-r1" pins it to 1.
 ACTQUANT_VARIANTS = {
-    "bm64w4": ActQuantConfig(),
-    "bm32w4": ActQuantConfig(block_m=32, num_warps=4),
-    "bm128w8": ActQuantConfig(block_m=128, num_warps=8),
-    "bm64w4-r1": ActQuantConfig(max_rows_per_prog=1),
+    "bm64w4": dict(),
+    "bm32w4": dict(block_m=32, num_warps=4),
+    "bm128w8": dict(block_m=128, num_warps=8),
+    "bm64w4-r1": dict(rows_per_prog=1),
 }
-DEQUANT_VARIANTS = {  # the default is BK=64, 4 warps, 2 stages
-    "bk64w4s2": DequantConfig(num_warps=4),
-    "bk64w8s2": DequantConfig(num_warps=8),
-    "bk64w8s3": DequantConfig(num_warps=8, num_stages=3),
-    "bk128w8s2": DequantConfig(k_per_prog=4, block_k=128, num_warps=8),
+DEQUANT_VARIANTS = {  # the rule's choice is BK=64, 4 warps, 2 stages
+    "bk64w4s2": dict(),
+    "bk64w8s2": dict(num_warps=8),
+    "bk64w8s3": dict(num_warps=8, num_stages=3),
+    "bk128w8s2": dict(k_per_prog=4, block_k=128, num_warps=8),
 }
+
+
+def actquant_variant(qw: QuantizedWeight, m: int, **override) -> ActQuantConfig:
+    """The rule's activation config at m rows with ``override`` applied; R follows block_m."""
+    cfg = replace(actquant_config(qw, m), **override)
+    if "rows_per_prog" in override:
+        return cfg
+    nkb = qw.padded_shape[1] // 128
+    return replace(cfg, rows_per_prog=rows_per_program(m, nkb, cfg.block_m))
 
 
 @dataclass
@@ -108,11 +119,11 @@ def time_graph(g, n_calls: int) -> float:
 
 
 KERNELS = {
-    "prefill": prefill_mod.prefill_kernel,
-    "absmax": actquant_mod.absmax_kernel,
-    "quantize": actquant_mod.quantize_kernel,
-    "transform_bf16": actquant_mod.transform_bf16_kernel,
-    "dequant_hn": dequant_once_mod.dequant_hn_kernel,
+    "prefill": prefill_kernel,
+    "absmax": absmax_kernel,
+    "quantize": quantize_kernel,
+    "transform_bf16": transform_bf16_kernel,
+    "dequant_hn": dequant_hn_kernel,
 }
 
 
@@ -184,29 +195,22 @@ def main() -> None:
                 "cublas-fp8-rowwise": (lambda i: torch._scaled_mm(xq8, w8[i % n8].t(), scale_a=sa, scale_b=sb,
                                                                   out_dtype=torch.bfloat16), n8),
                 "cublas-bf16": (lambda i: x @ w16[i % n16].t(), n16),
-                "escha-dequant-fp8": (lambda i: dequant_once_matmul(
-                    x, qws[i % nq].trellis, qws[i % nq].su, qws[i % nq].sv, qws[i % nq].scale,
-                    qws[i % nq].gscale, n, 2, fp8=True), nq),
-                "escha-dequant-bf16": (lambda i: dequant_once_matmul(
-                    x, qws[i % nq].trellis, qws[i % nq].su, qws[i % nq].sv, qws[i % nq].scale,
-                    qws[i % nq].gscale, n, 2, fp8=False), nq),
-                "part-actquant": (lambda i: actquant(x, qws[0].sv, fp8=True), 1),
-                "part-dequant-fp8": (lambda i: dequant_hn(qws[i % nq].trellis, qws[i % nq].su,
-                                                          qws[i % nq].scale, qws[i % nq].gscale, 2, fp8=True), nq),
+                "escha-dequant-fp8": (lambda i: dequant_fp8(x, qws[i % nq]), nq),
+                "escha-dequant-bf16": (lambda i: dequant_bf16(x, qws[i % nq]), nq),
+                "part-actquant": (lambda i: actquant(x, qws[0], fp8=True), 1),
+                "part-dequant-fp8": (lambda i: dequant_hn(qws[i % nq], fp8=True), nq),
             }
-            for vname, acfg in list(ACTQUANT_VARIANTS.items())[1:]:
+            for vname, over in list(ACTQUANT_VARIANTS.items())[1:]:
+                acfg = actquant_variant(qws[0], m, **over)
                 arms["part-actquant-" + vname] = (
-                    (lambda c: lambda i: actquant(x, qws[0].sv, fp8=True, config=c))(acfg), 1)
-            for vname, dcfg in list(DEQUANT_VARIANTS.items())[1:]:
-                arms["part-dequant-fp8-" + vname] = ((lambda c: lambda i: dequant_hn(
-                    qws[i % nq].trellis, qws[i % nq].su, qws[i % nq].scale, qws[i % nq].gscale, 2, fp8=True,
-                    config=c))(dcfg), nq)
+                    (lambda c: lambda i: actquant(x, qws[0], fp8=True, config=c))(acfg), 1)
+            for vname, over in list(DEQUANT_VARIANTS.items())[1:]:
+                dcfg = replace(dequant_once_config(qws[0], m), **over)
+                arms["part-dequant-fp8-" + vname] = (
+                    (lambda c: lambda i: dequant_hn(qws[i % nq], fp8=True, config=c))(dcfg), nq)
             for name in configs:
-                cfg = PREFILL_CONFIGS[name]
-                arms["escha-" + name] = (
-                    (lambda cfg: lambda i: prefill_matmul_q(
-                        *actquant(x, qws[i % nq].sv, fp8=True), qws[i % nq].trellis, qws[i % nq].su,
-                        qws[i % nq].scale, qws[i % nq].gscale, n, 2, torch.bfloat16, config=cfg))(cfg), nq)
+                pcfg = replace(prefill_config(qws[0], m), **PREFILL_CONFIGS[name])
+                arms["escha-" + name] = ((lambda c: lambda i: prefill(x, qws[i % nq], config=c))(pcfg), nq)
             # Correctness at this size before timing: every escha arm against fp32 x @ W_hat^T.
             if m == min(int(v) for v in args.ms.split(",")):
                 ref = x.float() @ dequantize(qws[0]).T

@@ -286,22 +286,28 @@ def bench_speed(out_f: int, in_f: int, bits: int, with_hessian: bool) -> dict:
 
 
 def tune_launch(tiles: int = 4096) -> dict:
-    """Time one unconstrained pass per launch configuration; keep the fastest."""
-    from escha.quant import viterbi_triton as vt
+    """Time one unconstrained pass per launch configuration and report the fastest.
+
+    The result is a measurement: the quantizer keeps using viterbi_triton.viterbi_launch's rule,
+    which is where a better choice would be written.
+    """
+    from escha.quant.viterbi import Trellis
+    from escha.quant.viterbi_triton import ViterbiLaunch, viterbi_launch
     table = codebooks.get(0).table("cuda").float()
     x = torch.randn(tiles, 256, device="cuda") * float(table.pow(2).mean().sqrt())
     timings = {}
     for ps in (2048, 4096, 8192):
         for nw in (4, 8):
-            vt.LAUNCH.program_states, vt.LAUNCH.num_warps = ps, nw
-            encode_tiles(x[:64], table, 2, EncodeOptions(tail_biting=False))  # compile
+            opts = EncodeOptions(tail_biting=False, launch=ViterbiLaunch(program_states=ps, num_warps=nw))
+            encode_tiles(x[:64], table, 2, opts)  # compile
             sync(); t = time.perf_counter()
-            encode_tiles(x, table, 2, EncodeOptions(tail_biting=False))
+            encode_tiles(x, table, 2, opts)
             sync(); timings[f"{ps}x{nw}"] = time.perf_counter() - t
     best = min(timings, key=timings.get)
-    vt.LAUNCH.program_states, vt.LAUNCH.num_warps = map(int, best.split("x"))
+    rule = viterbi_launch(Trellis(16, 2), torch.device("cuda"))
     print(f"tune: {timings} -> {best}", file=sys.stderr, flush=True)
-    return {"tiles": tiles, "seconds_per_pass": timings, "chosen": best}
+    return {"tiles": tiles, "seconds_per_pass": timings, "chosen": best,
+            "rule": f"{rule.program_states}x{rule.num_warps}"}
 
 
 def bench_wrap_window(tiles: int, bits_list: list[int], device: str, seed: int = 0) -> dict:

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, graph_of, interleaved, weight_set  # noqa: E402
 
-from escha.kernels import SplitKRule, decode_config, decode_matmul, decode_split_k  # noqa: E402
+from escha.kernels import SplitKRule, decode, decode_config, decode_split_k  # noqa: E402
 
 POINTS = [(34816, 5120), (17408, 5120), (8704, 5120), (5120, 17408), (5120, 8704), (5120, 4352)]
 MS = (8, 40, 64)
@@ -60,7 +60,7 @@ def main() -> None:
             arms = {}
             for s in SPLITS:
                 cfg = replace(base, split=s, fuse_output=s == 1)
-                arms[str(s)] = (graph_of(lambda q, c=cfg: decode_matmul(x, q, c), qws), len(qws))
+                arms[str(s)] = (graph_of(lambda q, c=cfg: decode(x, q, config=c), qws), len(qws))
             t = interleaved(arms, args.rounds)
             nblk, ktiles = n // base.block_n, k // 16
             best = min(t, key=t.get)

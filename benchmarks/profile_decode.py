@@ -12,8 +12,8 @@ import argparse
 import torch
 
 from escha.format import random_qweight
-from escha.kernels import decode_matmul
-from escha.kernels.decode_wgmma import decode_wgmma, pack_words
+from escha.kernels import decode
+from escha.kernels.decode_wgmma import decode_wgmma
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
 
@@ -27,12 +27,11 @@ def main() -> None:
     args = ap.parse_args()
     qw = random_qweight(*SHAPES[args.shape], bits=2, seed=0, device="cuda")
     x = torch.randn(args.m, qw.in_features, device="cuda", dtype=torch.bfloat16)
-    words = pack_words(qw)
     for _ in range(args.calls):
         if args.path == "wgmma":
-            decode_wgmma(x, qw, words=words)
+            decode_wgmma(x, qw)
         else:
-            decode_matmul(x, qw)
+            decode(x, qw)
     torch.cuda.synchronize()
 
 

@@ -8,10 +8,10 @@ from .format import FormatError, QuantizedWeight, codebooks, dequantize, random_
 from .io import load_file, save_file
 from .model import load_model, quantize_model
 from .nn import EschaLinear
-from .ops import DispatchRule, Path, Precision, available_paths, matmul
+from .ops import DispatchRule, KernelPath, Precision, available_paths, matmul
 from .quant import quantize
 
 __version__ = "0.1.0"
 __all__ = ["QuantizedWeight", "FormatError", "codebooks", "quantize", "dequantize", "matmul",
-           "save_file", "load_file", "random_qweight", "Path", "Precision", "DispatchRule",
+           "save_file", "load_file", "random_qweight", "KernelPath", "Precision", "DispatchRule",
            "available_paths", "load_model", "quantize_model", "EschaLinear", "__version__"]

@@ -7,16 +7,10 @@ from typing import Sequence
 
 
 def _add_subcommands(sub: argparse._SubParsersAction) -> None:
-    from . import demo
-    demo.add_parser(sub)
-    # Optional subcommands register themselves when their modules import cleanly.
-    for module in ("escha.model.cli", "escha.bench"):
-        try:
-            mod = __import__(module, fromlist=["add_parser"])
-        except ImportError:
-            continue
-        if hasattr(mod, "add_parser"):
-            mod.add_parser(sub)
+    from . import bench, demo
+    from .model import cli as model_cli
+    for module in (demo, model_cli, bench):
+        module.add_parser(sub)
 
 
 def _interpret_without_gpu() -> None:

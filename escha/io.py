@@ -16,11 +16,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as _st_save
 
-from .format.qweight import FormatError, QuantizedWeight
-from .format.spec import FORMAT_NAME, FORMAT_VERSION
+from .format.qweight import TENSOR_NAMES, FormatError, QuantizedWeight
+from .format.spec import FORMAT_NAME, FORMAT_VERSION, HAD_BLOCK
 
 META_KEY = "escha"
-PARTS = ("trellis", "su", "sv", "scale", "gscale")
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -152,17 +151,17 @@ def load_file(path: str | os.PathLike, device: torch.device | str = "cpu") -> di
     out: dict[str, QuantizedWeight | torch.Tensor] = {}
     used: set[str] = set()
     for name, e in entries.items():
-        keys = [f"{name}.{p}" for p in PARTS]
-        missing = [k for k in keys if k not in raw]
+        keys = {p: f"{name}.{p}" for p in TENSOR_NAMES}
+        missing = [k for k in keys.values() if k not in raw]
         if missing:
             raise FormatError(f"{path}: quantized weight {name!r} is missing {missing}")
         try:
-            qw = QuantizedWeight(*(raw[k] for k in keys), shape=tuple(e["shape"]), bits=e["bits"],
-                                 codebook_id=e["codebook"], had_block=e.get("had_block", 128))
+            qw = QuantizedWeight(**{p: raw[k] for p, k in keys.items()}, shape=tuple(e["shape"]), bits=e["bits"],
+                                 codebook_id=e["codebook"], had_block=e.get("had_block", HAD_BLOCK))
         except FormatError as err:
             raise FormatError(f"{path}: {name!r}: {err}") from None
         out[name] = qw.to(device)
-        used.update(keys)
+        used.update(keys.values())
     for k, t in raw.items():
         if k not in used:
             out[k] = t.to(device)

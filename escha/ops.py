@@ -1,42 +1,51 @@
 """escha.matmul: y = x @ W_hat^T for an Escha W2 weight, dispatched to a kernel path.
 
-Paths (``Path``):
+Paths (``KernelPath``) and the op each runs (``dispatch_table()``):
     reference     plain PyTorch through the transform domain (escha.format), fp32 math.
-    decode        the decode GEMM (escha.kernels.decode), for few rows (M <= 64).
+    decode        the portable decode GEMM (escha.kernels.decode, tl.dot), for few rows (M <= 64).
+    decode-wgmma  the register-operand decode GEMM for Hopper (escha.kernels.decode_wgmma, Gluon);
+                  what the rule's decode range runs where it can (sm_90, K = 2 or 3).
     prefill       the fused kernel: trellis decoded inside an fp8 tensor-core GEMM.
     dequant-fp8   dequantize once to an fp8 scratch, then torch._scaled_mm (row-wise scales).
     dequant-bf16  dequantize once to a bf16 scratch, then a bf16 matmul: the accuracy-first path.
 
-Which path runs is a pure function of (M, precision, DispatchRule): ``choose_path``. The rule's
-numbers come from the measured crossovers in benchmarks/results/prefill.md. A caller overrides it
-per call (``rule=``, ``path=``, ``precision=``); a layer that wants another precision passes its
-own argument on every call. There is deliberately no global or context-managed setting: an
-argument is thread-safe without locks, visible to torch.compile as a constant, and cannot leak
-from one layer or request into another.
+Every op has the shape ``op(x, qw, *, config=None)`` and picks its own launch configuration by
+its rule; adding a path is one ``KernelPath`` member and one entry in ``dispatch_table``.
+
+The kernels (and Triton) are imported on first use, not by ``import escha``: Triton decides
+whether kernels run in its CPU interpreter when they are defined, so ``escha demo`` must be able
+to set TRITON_INTERPRET after importing escha and before the first kernel is defined.
+
+Which path runs is a pure function of (M, precision, DispatchRule): ``DispatchRule.choose``. The
+rule's numbers come from the measured crossovers in benchmarks/results/prefill.md. A caller
+overrides it per call (``rule=``, ``path=``, ``precision=``); a layer that wants another precision
+passes its own argument on every call. There is deliberately no global or context-managed
+setting: an argument is thread-safe without locks, visible to torch.compile as a constant, and
+cannot leak from one layer or request into another.
 
 Where the kernels run: on CUDA tensors always. On CPU only when the Triton kernels were created in
 interpreter mode (TRITON_INTERPRET=1 set before escha is imported); otherwise every CPU call takes
 the reference path, whatever path was asked for, since compiled Triton kernels cannot run there.
 
-The entry point is the custom op ``escha::matmul`` (tensors of the weight plus ints), with a fake
-implementation, so it works under torch.compile(fullgraph=True) and inside CUDA-graph capture:
-nothing in it synchronizes with the host or copies from host memory.
+The entry point is the custom op ``escha::matmul`` (x, the weight's stored tensors as
+``QuantizedWeight.TENSORS`` declares them, then ints), with a fake implementation, so it works
+under torch.compile(fullgraph=True) and inside CUDA-graph capture: nothing in it synchronizes
+with the host or copies from host memory.
 """
 from __future__ import annotations
 
 import enum
-import importlib
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .format.codec import matmul_reference
-from .format.qweight import QuantizedWeight
-
-ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .format.qweight import TENSOR_NAMES, QuantizedWeight
 
 
-class Path(str, enum.Enum):
+class KernelPath(str, enum.Enum):
     """A way of computing escha.matmul; the value is the name benchmarks and logs use."""
 
     REFERENCE = "reference"
@@ -44,6 +53,7 @@ class Path(str, enum.Enum):
     PREFILL = "prefill"
     DEQUANT_FP8 = "dequant-fp8"
     DEQUANT_BF16 = "dequant-bf16"
+    DECODE_WGMMA = "decode-wgmma"  # last: the custom op's path codes are positions
 
     def __str__(self) -> str:
         return self.value
@@ -59,6 +69,52 @@ class Precision(str, enum.Enum):
         return self.value
 
 
+def reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """The reference codec's product (fp32 math), returned in x's dtype."""
+    return matmul_reference(x, qw).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class PathOp:
+    """One entry of the dispatch table: the op a path runs and where it can run.
+
+    ``run(x, qw)`` returns y in x's dtype; ``max_m`` is the most rows it serves (None: any);
+    ``kernel`` says it needs the Triton kernels (common.kernels_run_on); ``runs_on(device, bits)``,
+    when given, narrows where it runs further.
+    """
+
+    run: Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
+    max_m: int | None = None
+    kernel: bool = True
+    runs_on: Callable[[torch.device, int], bool] | None = None
+
+    def available(self, device: torch.device, bits: int, m: int, kernels: bool) -> bool:
+        """Whether this op can run M rows of a K=bits weight on ``device``."""
+        return ((kernels or not self.kernel) and (self.max_m is None or m <= self.max_m)
+                and (self.runs_on is None or self.runs_on(device, bits)))
+
+
+@functools.cache
+def dispatch_table() -> dict[KernelPath, PathOp]:
+    """The dispatch table: path -> op (built on first use, which imports the kernels)."""
+    from .kernels import decode, dequant_bf16, dequant_fp8, prefill
+    from .kernels.decode import MAX_DECODE_M
+    from .kernels.decode_wgmma import decode_wgmma, runs_on
+    return {
+        KernelPath.REFERENCE: PathOp(reference, kernel=False),
+        KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M),
+        KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on),
+        KernelPath.PREFILL: PathOp(prefill),
+        KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
+        KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
+    }
+
+
+def _kernels_run_on(device: torch.device) -> bool:
+    from .kernels import common
+    return common.kernels_run_on(device)
+
+
 @dataclass(frozen=True)
 class DispatchRule:
     """Thresholds on M (rows of x) that pick a path for the fp8 precision.
@@ -71,25 +127,25 @@ class DispatchRule:
     fused kernel stays selectable (path="prefill", or a rule with a larger dequant_min_m).
     """
 
-    decode_max_m: int = 64
+    decode_max_m: int = 64  # the decode kernel's whole range (kernels.decode.MAX_DECODE_M)
     dequant_min_m: int = 65
 
-    def choose(self, m: int, precision: Precision | str = Precision.FP8) -> Path:
+    def choose(self, m: int, precision: Precision | str = Precision.FP8) -> KernelPath:
         """The path for M rows at this precision."""
         if _PRECISION_CODE[precision] == _PRECISION_CODE[Precision.BF16]:
-            return Path.DEQUANT_BF16
+            return KernelPath.DEQUANT_BF16
         if m <= self.decode_max_m:
-            return Path.DECODE
+            return KernelPath.DECODE
         if m < self.dequant_min_m:
-            return Path.PREFILL
-        return Path.DEQUANT_FP8
+            return KernelPath.PREFILL
+        return KernelPath.DEQUANT_FP8
 
 
 DEFAULT_RULE = DispatchRule()
 
 # Ints for the custom op's schema. Dict lookups (not Enum construction) so that strings and
 # members both work and torch.compile traces them as constants.
-_PATHS = tuple(Path)
+_PATHS = tuple(KernelPath)
 _PATH_CODE: dict[object, int] = {**{p: i for i, p in enumerate(_PATHS)},
                                  **{p.value: i for i, p in enumerate(_PATHS)}}
 _AUTO = -1
@@ -100,116 +156,68 @@ _PRECISION_CODE: dict[object, int] = {**{p: i for i, p in enumerate(_PRECISIONS)
 
 def check_inputs(x: object, qw: object) -> None:
     """Raise a TypeError/ValueError naming the problem if (x, qw) cannot be multiplied."""
-    if not isinstance(qw, QuantizedWeight):
-        raise TypeError(f"qw must be a QuantizedWeight, got {type(qw).__name__}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
-    if x.dim() < 1 or x.shape[-1] != qw.in_features:
-        raise ValueError(f"x has inner dimension {x.shape[-1] if x.dim() else None}, "
-                         f"but the weight expects {qw.in_features} (weight shape {qw.shape})")
-    if x.device != qw.device:
-        raise ValueError(f"x is on {x.device} but the weight is on {qw.device}; move one with .to()")
+    from .kernels import common
+    common.check_operands(x, qw)
 
 
-def kernels_enabled(device: torch.device) -> bool:
-    """True where the Triton kernels can run: CUDA, or CPU when Triton runs in interpreter mode."""
-    if device.type == "cuda":
-        return True
-    if device.type != "cpu":
-        return False
-    from .kernels import prefill  # imported lazily: escha imports without triton's GPU backend
-    return type(prefill.prefill_kernel).__name__ == "InterpretedFunction"
-
-
-def _decode_module():
-    """escha.kernels.decode, or None where it is not available."""
-    try:
-        return importlib.import_module(".kernels.decode", __package__)
-    except ImportError:
-        return None
-
-
-def available_paths(qw: QuantizedWeight, M: int) -> list[Path]:
+def available_paths(qw: QuantizedWeight, M: int) -> list[KernelPath]:
     """Every path that can run for this weight at M rows on its device (reference always)."""
-    paths = [Path.REFERENCE]
-    if kernels_enabled(qw.device):
-        if M <= DEFAULT_RULE.decode_max_m and _decode_module() is not None:
-            paths.append(Path.DECODE)
-        paths += [Path.PREFILL, Path.DEQUANT_FP8, Path.DEQUANT_BF16]
-    return paths
+    kernels = _kernels_run_on(qw.device)
+    return [p for p, op in dispatch_table().items() if op.available(qw.device, qw.bits, M, kernels)]
 
 
-def _weight_view(trellis, su, sv, scale, gscale, shape, bits, codebook_id) -> QuantizedWeight:
-    """A QuantizedWeight over existing tensors without re-validating them.
-
-    Validation reads values back to the host (a synchronization, illegal in CUDA-graph capture);
-    the tensors came from a QuantizedWeight that was validated when it was built.
-    """
-    qw = object.__new__(QuantizedWeight)
-    qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale = trellis, su, sv, scale, gscale
-    qw.shape, qw.bits, qw.codebook_id = tuple(shape), bits, codebook_id
-    qw.had_block = 128
-    return qw
-
-
-def _run_path(path: Path, x2d: torch.Tensor, trellis, su, sv, scale, gscale, out_features: int,
-              in_features: int, bits: int, codebook_id: int) -> torch.Tensor:
-    if path == Path.REFERENCE:
-        qw = _weight_view(trellis, su, sv, scale, gscale, (out_features, in_features), bits, codebook_id)
-        return matmul_reference(x2d, qw).to(x2d.dtype)
-    if path == Path.DECODE:
-        qw = _weight_view(trellis, su, sv, scale, gscale, (out_features, in_features), bits, codebook_id)
-        return _decode_module().decode_matmul(x2d, qw).to(x2d.dtype)
-    from .kernels.actquant import actquant
-    from .kernels.dequant_once import dequant_once_matmul
-    from .kernels.prefill import prefill_matmul_q
-    if path == Path.PREFILL:
-        xq, sx = actquant(x2d, sv, fp8=True)
-        return prefill_matmul_q(xq, sx, trellis, su, scale, gscale, out_features, bits, x2d.dtype)
-    return dequant_once_matmul(x2d, trellis, su, sv, scale, gscale, out_features, bits,
-                               fp8=path == Path.DEQUANT_FP8)
-
-
-def resolve_path(m: int, device: torch.device, codebook_id: int, path: Path | str | None = None,
+def resolve_path(m: int, device: torch.device, codebook_id: int, path: KernelPath | str | None = None,
                  precision: Precision | str = Precision.FP8,
-                 rule: DispatchRule = DEFAULT_RULE) -> Path:
-    """The path a call with these arguments runs (what ``matmul`` does, without running it)."""
-    if not kernels_enabled(device) or codebook_id != 0:
+                 rule: DispatchRule = DEFAULT_RULE, *, bits: int) -> KernelPath:
+    """The path a call with these arguments runs (what ``matmul`` does, without running it).
+
+    The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3):
+    on the H200 it measured faster than the portable kernel at every M <= 64 but down at M = 40
+    and 64 (4-6% slower; docs/KERNELS.md). A path asked for by name runs as asked.
+    """
+    if not _kernels_run_on(device) or codebook_id != 0:
         # The kernels implement the 3INST codebook (id 0) only; others decode by reference.
-        return Path.REFERENCE
-    chosen = rule.choose(m, precision) if path is None else _PATHS[_PATH_CODE[path]]
-    if chosen == Path.DECODE and _decode_module() is None:
-        chosen = Path.PREFILL  # the fused kernel is correct at any M, only slower at small M
+        return KernelPath.REFERENCE
+    if path is not None:
+        return _PATHS[_PATH_CODE[path]]
+    chosen = rule.choose(m, precision)
+    if chosen == KernelPath.DECODE and dispatch_table()[KernelPath.DECODE_WGMMA].available(device, bits, m, True):
+        return KernelPath.DECODE_WGMMA
     return chosen
 
 
-@torch.library.custom_op("escha::matmul", mutates_args=())
-def _matmul_op(x: torch.Tensor, trellis: torch.Tensor, su: torch.Tensor, sv: torch.Tensor,
-               scale: torch.Tensor, gscale: torch.Tensor, out_features: int, in_features: int,
-               bits: int, codebook_id: int, path: int, precision: int, decode_max_m: int,
-               dequant_min_m: int) -> torch.Tensor:
+# The custom op's schema: x, the weight's stored tensors in declaration order, then ints.
+_INT_ARGS = ("out_features", "in_features", "bits", "codebook_id", "path", "precision",
+             "decode_max_m", "dequant_min_m")
+_SCHEMA = ("(Tensor x, " + ", ".join(f"Tensor {n}" for n in TENSOR_NAMES) + ", "
+           + ", ".join(f"int {n}" for n in _INT_ARGS) + ") -> Tensor")
+
+
+def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     """escha::matmul. path = -1 picks by rule at run time (so one compiled graph serves every M)."""
+    tensors, ints = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):]
+    out_features, in_features, bits, codebook_id, path, precision, decode_max_m, dequant_min_m = ints
     x2d = x.reshape(-1, in_features)
     m = x2d.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], out_features))
     rule = DispatchRule(decode_max_m=decode_max_m, dequant_min_m=dequant_min_m)
     chosen = resolve_path(m, x.device, codebook_id, None if path == _AUTO else _PATHS[path],
-                          _PRECISIONS[precision], rule)
-    y = _run_path(chosen, x2d, trellis, su, sv, scale, gscale, out_features, in_features, bits,
-                  codebook_id)
-    return y.reshape(*x.shape[:-1], out_features)
+                          _PRECISIONS[precision], rule, bits=bits)
+    qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
+    return dispatch_table()[chosen].run(x2d, qw).reshape(*x.shape[:-1], out_features)
 
 
-@_matmul_op.register_fake
-def _matmul_fake(x, trellis, su, sv, scale, gscale, out_features, in_features, bits, codebook_id,
-                 path, precision, decode_max_m, dequant_min_m):
+def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:
+    out_features = args[len(TENSOR_NAMES)]
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def matmul(x: torch.Tensor, qw: QuantizedWeight, path: Path | str | None = None, *,
+_matmul_op = torch.library.custom_op("escha::matmul", _matmul_impl, mutates_args=(), schema=_SCHEMA)
+_matmul_op.register_fake(_matmul_fake)
+
+
+def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None = None, *,
            precision: Precision | str = Precision.FP8,
            rule: DispatchRule | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T, returned in x's dtype.
@@ -217,7 +225,7 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: Path | str | None = None,
     Args:
         x: fp16/bf16/fp32 activations on the weight's device.
         qw: the Escha W2 weight.
-        path: force a path (a ``Path`` or its name); None lets ``rule`` choose by M.
+        path: force a path (a ``KernelPath`` or its name); None lets ``rule`` choose by M.
         precision: ``"fp8"`` (default; fp8 e4m3 GEMM operands) or ``"bf16"`` (accuracy-first:
             dequantize to bf16 and multiply in bf16). Ignored when ``path`` is given.
         rule: the dispatch thresholds; None means DEFAULT_RULE.
@@ -231,11 +239,6 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: Path | str | None = None,
     if precision not in _PRECISION_CODE:
         raise ValueError(f"unknown precision {precision!r}; choose one of {[p.value for p in _PRECISIONS]}")
     code = _AUTO if path is None else _PATH_CODE[path]
-    return torch.ops.escha.matmul(x, qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale,
-                                  qw.out_features, qw.in_features, qw.bits, qw.codebook_id,
-                                  code, _PRECISION_CODE[precision], r.decode_max_m, r.dequant_min_m)
-
-
-# Integer ops per decoded weight, for the benchmark's codec-floor column: the 3INST value
-# (mad, and, xor, two fp16 extractions, add) plus the 64-bit window extraction.
-INT_OPS_PER_WEIGHT: dict[object, float] = {None: 11.0}
+    return torch.ops.escha.matmul(x, *qw.tensors().values(), qw.out_features, qw.in_features, qw.bits,
+                                  qw.codebook_id, code, _PRECISION_CODE[precision], r.decode_max_m,
+                                  r.dequant_min_m)

@@ -1,22 +1,18 @@
-"""Test-wide set-up: without a GPU, Triton kernels run in Triton's CPU interpreter.
+"""Test-wide set-up, before any test module imports escha.
 
-The variable must be set before any kernel module is imported (triton.jit reads it when a
-kernel is defined), so it is set here, before test modules import escha.
+* Without a GPU, Triton kernels run in Triton's CPU interpreter. triton.jit reads
+  TRITON_INTERPRET when a kernel is defined, so it is set here, before escha's kernels exist.
+* One CPU thread (torch's intra-op pool and the BLAS under numpy, which the interpreter's dots
+  use): the tests' tensors are tiny, and on a busy 2-core runner threads oversubscribe (the same
+  suite took 39-52 s with one thread and 111-217 s with the default pool; a model test once ran
+  25x slower).
 """
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when the BLAS and torch's pool start
 
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module: tiny matrices gain nothing from threads, and on a busy
-    2-core runner threads oversubscribe (a model test ran 25x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

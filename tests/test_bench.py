@@ -359,8 +359,7 @@ def test_run_without_cuda_is_an_error(capsys, tmp_path, monkeypatch):
 
 def test_escha_arm_against_the_library_on_cpu():
     arm = make_arm("escha")
-    if arm.unavailable():
-        pytest.skip(arm.unavailable())
+    assert arm.unavailable() is None
     shape = Shape("tiny", 128, 256)
     timer = FakeTimer([FakeArm("escha", times=[5.0])])
     rows, skips = run_benchmark([shape], [3], [arm], timer=timer, rounds=5, l2_bytes=128 * 64,
@@ -372,3 +371,43 @@ def test_escha_arm_against_the_library_on_cpu():
     assert arm.meta.int_ops_per_weight > 0
     assert row.extra["floor_codec_us"] == pytest.approx(128 * 256 * arm.meta.int_ops_per_weight / (64 * 132 * 1.98e9) * 1e6)
     assert row.extra["buffers"] == math.ceil(4 * 128 * 64 / (arm.weight_bits(128, 256) * 128 * 256 / 8))
+
+
+# -- benchmarks/bench_e2e.py --------------------------------------------------------------------
+def _bench_e2e():
+    """The end-to-end script, imported from its file (benchmarks/ is not a package)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
+    """The result-writing step on the tiny model (timings faked), and on the full-size config,
+    whose rope_theta transformers 5.x no longer keeps as an attribute."""
+    pytest.importorskip("transformers")
+    e2e = _bench_e2e()
+    cpu = torch.device("cpu")
+    out = tmp_path / "res" / "e2e.json"
+    args = e2e.parser().parse_args(["--tiny", "--device", "cpu", "--out", str(out)])
+    shape = e2e.model_shape(args)
+    config = e2e.make_config(shape)
+    for arm in ("bf16", "escha"):
+        model = e2e.build(config, arm, cpu, args.bits)
+        assert (type(model.model.layers[0].mlp.down_proj).__name__ == "EschaLinear") == (arm == "escha")
+
+    def rows(tokens_per_s):
+        return [{"batch": b, "tokens_per_s": t} for b, t in zip((1, 8), tokens_per_s)]
+
+    arms = {"bf16": {"rows": rows((10.0, 40.0))}, "escha": {"rows": rows((20.0, 60.0))}}
+    e2e.write_results(e2e.summarize(arms, args, shape, config, cpu), str(out))
+    back = json.loads(out.read_text())
+    assert back["config"] == shape and back["layers"] == 2 and back["model"].startswith("tiny")
+    assert back["speedup_escha_over_bf16"] == {"1": 2.0, "8": 1.5} and back["target_batch1"]["met"]
+    full_args = e2e.parser().parse_args([])
+    full = e2e.model_shape(full_args)
+    doc = e2e.summarize(arms, full_args, full, e2e.make_config(full), cpu)
+    assert json.loads(json.dumps(doc))["config"]["rope_theta"] == 1_000_000.0 and doc["layers"] == 40

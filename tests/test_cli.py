@@ -1,4 +1,8 @@
 """The escha command line: help, argument errors, and the demo end to end."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from escha.cli import main
@@ -32,3 +36,11 @@ def test_demo_runs_and_checks(capsys):
     out = capsys.readouterr().out
     assert "rate-distortion bound 0.0625" in out
     assert "PASS" in out
+
+
+def test_import_leaves_the_interpreter_choice_open():
+    """`import escha` imports no Triton, so `escha demo` can still turn the interpreter on."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    code = "import sys, escha, escha.cli; assert 'triton' not in sys.modules, 'triton imported'"
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0

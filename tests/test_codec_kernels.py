@@ -1,17 +1,11 @@
 """The Triton codec functions against the reference codec (CPU interpreter; PTX path on GPU)."""
-import os
-
+import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():  # must precede the first import of a Triton kernel
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from escha.format import codebooks  # noqa: E402
-from escha.kernels import codec  # noqa: E402
+from escha.format import codebooks
+from escha.kernels import codec, common
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,11 +45,6 @@ def _probe(n, seed, use_ptx=False, u64=False):
     return w0, w1, off, st.cpu(), v.cpu()
 
 
-def test_constants_match_reference():
-    cb = codebooks.get(0)
-    assert (codec.MUL, codec.ADD, codec.MASK, codec.XOR) == (cb.MUL, cb.ADD, cb.MASK, cb.XOR)
-
-
 @pytest.mark.parametrize("u64", [False, True])
 def test_window_and_value_bit_exact(u64):
     w0, w1, off, st, v = _probe(1024, seed=11 + u64, u64=u64)
@@ -75,17 +64,33 @@ def test_threeinst_every_state():
     _codec_probe[(1,)](w0, w1, off, st, v, N=65536, USE_PTX=False, U64=False)
     ref = codebooks.get(0).values(s)
     assert torch.equal(v.cpu().view(torch.int16), ref.view(torch.int16))
-    assert float(ref.abs().max()) == pytest.approx(3.9727, abs=1e-4)  # dequant.THREEINST_ABSMAX
+    assert float(ref.abs().max()) == pytest.approx(common.THREEINST_ABSMAX, abs=1e-4)
 
 
 @triton.jit
 def _round_probe(x_ptr, o_ptr, n, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(o_ptr + i, codec.round_to(tl.load(x_ptr + i, mask=i < n), o_ptr.dtype.element_ty), mask=i < n)
+    tl.store(o_ptr + i, common.round_to(tl.load(x_ptr + i, mask=i < n), o_ptr.dtype.element_ty), mask=i < n)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+ROUND_DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", ROUND_DTYPES)
 def test_rounding_helpers_match_torch(dtype):
+    """round_to: integer arithmetic under the interpreter, the hardware conversion on a GPU."""
+    _check_round_to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ROUND_DTYPES)
+def test_hardware_rounding_matches_torch_gpu(dtype):
+    """The compiled round_to (cvt.rn) on the GPU, in the gpu-marked run too."""
+    _check_round_to(dtype)
+
+
+def _check_round_to(dtype):
     g = torch.Generator().manual_seed(5)
     if dtype == torch.float8_e4m3fn:
         x = torch.cat([torch.randn(4000, generator=g) * 60, torch.randn(4000, generator=g) * 0.01,
@@ -115,59 +120,3 @@ def test_ptx_path_bit_exact_vs_fallback():
         assert torch.equal(v.view(torch.int16), v_f.view(torch.int16))
         ref = codebooks.get(0).values(_ref_window(w0, w1, off))
         assert torch.equal(v.view(torch.int16), ref.view(torch.int16))
-
-
-@triton.jit
-def _pair_probe(w0_ptr, w1_ptr, off_ptr, va_ptr, vb_ptr, N: tl.constexpr, USE_PTX: tl.constexpr,
-                HI_MUL: tl.constexpr):
-    i = tl.arange(0, N)
-    w0 = tl.load(w0_ptr + i)
-    w1 = tl.load(w1_ptr + i)
-    off = tl.load(off_ptr + i)
-    if USE_PTX:
-        va, vb = codec.pair_values_ptx(w0, w1, off, HI_MUL)
-    else:
-        va, vb = codec.pair_values(w0, w1, off)
-    tl.store(va_ptr + i, va)
-    tl.store(vb_ptr + i, vb)
-
-
-def _pair(n, seed, use_ptx=False, hi_mul=True):
-    g = torch.Generator().manual_seed(seed)
-    w0 = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
-    w1 = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
-    off = torch.arange(n, dtype=torch.int32) % 16
-    va = torch.full((n,), float("nan"), dtype=torch.float16, device=DEV)
-    vb = torch.full((n,), float("nan"), dtype=torch.float16, device=DEV)
-    _pair_probe[(1,)](w0.to(DEV), w1.to(DEV), off.to(DEV), va, vb, N=n, USE_PTX=use_ptx, HI_MUL=hi_mul)
-    return w0, w1, off, va.cpu(), vb.cpu()
-
-
-def test_pair_lcg_identity():
-    """The identity pair_values_ptx uses for the second state, on 2**20 random pair words."""
-    g = torch.Generator().manual_seed(3)
-    t = torch.randint(0, 2**32, (1 << 20,), generator=g, dtype=torch.int64)
-    xa = ((t >> 16) * codec.MUL + codec.ADD) % 2**32
-    xb = (t * codec.MUL + codec.ADD_PAIR + xa * 0xFFFF0000) % 2**32
-    assert torch.equal(xb, ((t & 0xFFFF) * codec.MUL + codec.ADD) % 2**32)
-    assert codec.ADD_PAIR == 1584945828  # the immediate written in the asm
-
-
-def test_pair_values_bit_exact():
-    w0, w1, off, va, vb = _pair(1024, seed=21)
-    cb = codebooks.get(0)
-    assert torch.equal(va.view(torch.int16), cb.values(_ref_window(w0, w1, off)).view(torch.int16))
-    assert torch.equal(vb.view(torch.int16), cb.values(_ref_window(w0, w1, off + 16)).view(torch.int16))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("hi_mul", [True, False])
-def test_pair_ptx_bit_exact_vs_fallback(hi_mul):
-    for seed in range(4):
-        w0, w1, off, va, vb = _pair(4096, seed=200 + seed, use_ptx=True, hi_mul=hi_mul)
-        _, _, _, va_f, vb_f = _pair(4096, seed=200 + seed, use_ptx=False)
-        assert torch.equal(va.view(torch.int16), va_f.view(torch.int16))
-        assert torch.equal(vb.view(torch.int16), vb_f.view(torch.int16))
-        cb = codebooks.get(0)
-        assert torch.equal(vb.view(torch.int16), cb.values(_ref_window(w0, w1, off + 16)).view(torch.int16))

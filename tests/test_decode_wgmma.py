@@ -1,6 +1,7 @@
 """The register-operand decode GEMM (Hopper): its in-memory layout, checked on the CPU by
 emulating each thread's fragment, its compiled form (PTX for sm_90a), and on the GPU its
 fragments bit for bit and its products within the decode tolerance table."""
+import importlib
 import re
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 from escha.format import decode_trellis, dequantize, random_qweight
 from escha.format.bitstream import states_from_words
 from escha.format.codebooks import get as codebook
-from escha.kernels import decode_wgmma as dw
+
+# The module (escha.kernels exports the op function under the same name).
+dw = importlib.import_module("escha.kernels.decode_wgmma")
 
 # The wgmma A-operand layout (fp16, k_width 2) of a [64, 128] block as Triton 3.6 defines it,
 # restated from the PTX ISA's m64nNk16 fragment: register bits -> (row, col), lanes, warps.
@@ -99,7 +102,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from escha.kernels import decode_wgmma as dw
+from escha.kernels.decode_wgmma import x_smem_layout, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
 
 @gluon.jit
 def layout_check(p):
@@ -112,11 +115,11 @@ target = GPUTarget("cuda", 90, 32)
 triton.compile(GluonASTSource(layout_check, {"p": "*fp16"}), target=target)
 out = {}
 for bits, bn, frags in VARIANTS:
-    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{dw.x_smem_layout(bn)!r}>",
-           "w_desc": f"tensordesc<i32[8, 128],{dw.WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
+           "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr"}
-    src = GluonASTSource(dw._decode_wgmma_kernel, sig,
+    src = GluonASTSource(_decode_wgmma_kernel, sig,
                          constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "FRAGS": frags},
                          attrs={(2,): [["tt.divisibility", 16]]})
     out[f"{bits},{bn},{frags}"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]

@@ -1,17 +1,14 @@
 """Dequant kernel: bit-exact against the reference codec."""
-import os
+from dataclasses import replace
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first import of a Triton kernel
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from escha.format import decode_trellis, random_qweight
+from escha.kernels import CodecPath, dequant_config, dequantize_core
+from escha.kernels.common import CORE_FP8_SCALE, FP8_MAX, THREEINST_ABSMAX
 
-import pytest  # noqa: E402
-
-from escha.format import decode_trellis, random_qweight  # noqa: E402
-from escha.kernels import CodecPath, dequantize_core  # noqa: E402
-from escha.kernels.dequant import FP8_SCALE, THREEINST_ABSMAX  # noqa: E402
-
+FP8_SCALE = CORE_FP8_SCALE.value
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 1), (130, 200), (64, 300)]  # padding: neither dimension a multiple of 128 (or of 16)
 DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
@@ -41,7 +38,7 @@ def test_dequant_bit_exact(bits, shape, dtype):
 
 def test_fp8_scale_is_documented_power_of_two():
     assert FP8_SCALE == 2.0 ** round(torch.log2(torch.tensor(FP8_SCALE)).item())
-    assert THREEINST_ABSMAX * FP8_SCALE <= 448 < THREEINST_ABSMAX * FP8_SCALE * 2
+    assert THREEINST_ABSMAX * FP8_SCALE <= FP8_MAX.value == 448 < THREEINST_ABSMAX * FP8_SCALE * 2
 
 
 def test_dequant_rejects_bad_workspace():
@@ -58,8 +55,10 @@ def test_dequant_rejects_bad_workspace():
 def test_dequant_gpu_ptx_vs_triton_full_size(bits):
     qw = random_qweight(5120, 8704, bits=bits, seed=bits, device="cuda")
     for dt in DTYPES:
-        a, _ = dequantize_core(qw, dt, codec=CodecPath.PTX)
-        b, _ = dequantize_core(qw, dt, codec=CodecPath.TRITON)
+        a, _ = dequantize_core(qw, dt, config=replace(dequant_config(qw), codec=CodecPath.PTX))
+        b, _ = dequantize_core(qw, dt, config=replace(dequant_config(qw), codec=CodecPath.TRITON))
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        # The hardware rounding (common.round_to) gives torch's round-to-nearest-even bits.
+        assert torch.equal(a.cpu().view(torch.uint8), _expected(qw, dt).view(torch.uint8))
     assert torch.equal(dequantize_core(qw, torch.float16)[0].view(torch.int16),
                        decode_trellis(qw).view(torch.int16))

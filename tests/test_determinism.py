@@ -29,11 +29,11 @@ def test_every_path_is_bitwise_reproducible(qw, m):
 def test_split_k_reduction_is_reproducible(qw):
     from dataclasses import replace
 
-    from escha.kernels import decode_config, decode_matmul
+    from escha.kernels import decode, decode_config
     x = torch.randn(8, qw.in_features, device="cuda", dtype=torch.float16)
     cfg = replace(decode_config(qw, 8), split=8)
-    first = decode_matmul(x, qw, cfg)
+    first = decode(x, qw, config=cfg)
     for _ in range(99):
-        assert torch.equal(decode_matmul(x, qw, cfg).view(torch.int16), first.view(torch.int16))
-    one = decode_matmul(x, qw, replace(cfg, split=1))
+        assert torch.equal(decode(x, qw, config=cfg).view(torch.int16), first.view(torch.int16))
+    one = decode(x, qw, config=replace(cfg, split=1))
     torch.testing.assert_close(first.float(), one.float(), rtol=2e-3, atol=2e-3)

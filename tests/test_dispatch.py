@@ -1,19 +1,13 @@
 """The dispatcher: rule boundaries, overrides, the custom op's fake implementation, compile and graphs."""
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # No GPU: run the Triton kernels in the CPU interpreter. Must precede triton's import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import escha
+from escha.bench.arms import make_arm
 from escha.format import dequantize, random_qweight
-from escha.ops import DEFAULT_RULE, DispatchRule, Path, Precision, available_paths, resolve_path
+from escha.ops import (DEFAULT_RULE, DispatchRule, KernelPath, Precision, available_paths, dispatch_table,
+                       resolve_path)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,31 +16,33 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("m,want", [(1, Path.DECODE), (64, Path.DECODE), (65, Path.DEQUANT_FP8),
-                                    (127, Path.DEQUANT_FP8), (128, Path.DEQUANT_FP8),
-                                    (8192, Path.DEQUANT_FP8)])
+@pytest.mark.parametrize("m,want", [(1, KernelPath.DECODE), (64, KernelPath.DECODE), (65, KernelPath.DEQUANT_FP8),
+                                    (127, KernelPath.DEQUANT_FP8), (128, KernelPath.DEQUANT_FP8),
+                                    (8192, KernelPath.DEQUANT_FP8)])
 def test_rule_boundaries(m, want):
     assert DEFAULT_RULE.choose(m) == want
-    assert DEFAULT_RULE.choose(m, Precision.BF16) == Path.DEQUANT_BF16
-    assert DEFAULT_RULE.choose(m, "bf16") == Path.DEQUANT_BF16
+    assert DEFAULT_RULE.choose(m, Precision.BF16) == KernelPath.DEQUANT_BF16
+    assert DEFAULT_RULE.choose(m, "bf16") == KernelPath.DEQUANT_BF16
 
 
 def test_prefill_config_boundary():
-    from escha.kernels.prefill import LARGE_M_CONFIG, SMALL_M_CONFIG, prefill_config
-    assert prefill_config(127) == SMALL_M_CONFIG and prefill_config(128) == LARGE_M_CONFIG
+    from escha.kernels import prefill_config
+    qw = random_qweight(128, 128, 2, device=DEV)
+    launch = [(c.block_m, c.num_warps, c.num_stages) for c in (prefill_config(qw, 127), prefill_config(qw, 128))]
+    assert launch == [(64, 4, 1), (256, 8, 1)]
 
 
-@pytest.mark.parametrize("m,want", [(64, Path.DECODE), (65, Path.PREFILL), (127, Path.PREFILL),
-                                    (128, Path.DEQUANT_FP8), (129, Path.DEQUANT_FP8)])
+@pytest.mark.parametrize("m,want", [(64, KernelPath.DECODE), (65, KernelPath.PREFILL), (127, KernelPath.PREFILL),
+                                    (128, KernelPath.DEQUANT_FP8), (129, KernelPath.DEQUANT_FP8)])
 def test_rule_with_fused_range(m, want):
     assert DispatchRule(decode_max_m=64, dequant_min_m=128).choose(m) == want
 
 
 def test_rule_override_is_per_call():
     rule = DispatchRule(decode_max_m=0, dequant_min_m=100)
-    assert rule.choose(64) == Path.PREFILL and rule.choose(100) == Path.DEQUANT_FP8
-    assert DEFAULT_RULE.choose(100) == Path.DEQUANT_FP8  # the default is untouched
-    assert DispatchRule(dequant_min_m=1000).choose(100) == Path.PREFILL
+    assert rule.choose(64) == KernelPath.PREFILL and rule.choose(100) == KernelPath.DEQUANT_FP8
+    assert DEFAULT_RULE.choose(100) == KernelPath.DEQUANT_FP8  # the default is untouched
+    assert DispatchRule(dequant_min_m=1000).choose(100) == KernelPath.PREFILL
     with pytest.raises(Exception):
         rule.decode_max_m = 5  # frozen: a rule cannot be changed behind a caller's back
 
@@ -54,13 +50,16 @@ def test_rule_override_is_per_call():
 def test_resolve_path_on_device():
     dev = torch.device(DEV)
     # Kernels run here (CUDA, or CPU under the interpreter that this module switched on).
-    assert resolve_path(65, dev, 0) == Path.DEQUANT_FP8
-    assert resolve_path(65, dev, 0, rule=DispatchRule(dequant_min_m=128)) == Path.PREFILL
-    assert resolve_path(600, dev, 0, rule=DispatchRule(dequant_min_m=600)) == Path.DEQUANT_FP8
-    assert resolve_path(10, dev, 0, path="dequant-bf16") == Path.DEQUANT_BF16
-    assert resolve_path(10, dev, 5) == Path.REFERENCE  # a codebook the kernels do not implement
-    # No decode kernel module -> the fused kernel serves M <= 64 (correct at any M).
-    assert resolve_path(8, dev, 0) in (Path.DECODE, Path.PREFILL)
+    assert resolve_path(65, dev, 0, bits=2) == KernelPath.DEQUANT_FP8
+    assert resolve_path(65, dev, 0, rule=DispatchRule(dequant_min_m=128), bits=2) == KernelPath.PREFILL
+    assert resolve_path(600, dev, 0, rule=DispatchRule(dequant_min_m=600), bits=2) == KernelPath.DEQUANT_FP8
+    assert resolve_path(10, dev, 0, path="dequant-bf16", bits=2) == KernelPath.DEQUANT_BF16
+    assert resolve_path(10, dev, 5, bits=2) == KernelPath.REFERENCE  # a codebook the kernels do not implement
+    # The decode range runs the register-operand kernel where it can (Hopper, K = 2, 3).
+    wgmma = dispatch_table()[KernelPath.DECODE_WGMMA].available(dev, 2, 8, True)
+    assert resolve_path(8, dev, 0, bits=2) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DECODE)
+    assert resolve_path(8, dev, 0, bits=4) == KernelPath.DECODE
+    assert resolve_path(8, dev, 0, path="decode", bits=2) == KernelPath.DECODE
 
 
 @pytest.mark.parametrize("m", [64, 65, 127, 128, 131])
@@ -79,9 +78,14 @@ def test_boundaries_run_and_agree(m):
 def test_available_paths():
     qw = random_qweight(128, 128, 2, device=DEV)
     paths = available_paths(qw, 512)
-    assert paths[0] == Path.REFERENCE and Path.PREFILL in paths and Path.DEQUANT_BF16 in paths
-    assert Path.DECODE not in paths  # only offered for M <= 64
-    assert all(isinstance(p, str) for p in paths)  # names usable by the benchmark tool
+    assert paths[0] == KernelPath.REFERENCE and KernelPath.PREFILL in paths and KernelPath.DEQUANT_BF16 in paths
+    assert KernelPath.DECODE not in paths  # only offered for M <= 64
+    assert KernelPath.DECODE in available_paths(qw, 64)
+    assert set(dispatch_table()) == set(KernelPath)  # every path has an op in the dispatch table
+    from escha.kernels.decode import MAX_DECODE_M
+    assert DEFAULT_RULE.decode_max_m == MAX_DECODE_M == dispatch_table()[KernelPath.DECODE].max_m
+    # The names are what the benchmark tool accepts as escha-<path> arms.
+    assert [make_arm(f"escha-{p}").name for p in paths] == [f"escha-{p.value}" for p in paths]
 
 
 def test_fake_impl_shapes():
@@ -103,12 +107,16 @@ def test_opcheck():
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-def test_reference_on_cpu_without_interpreter():
+def test_reference_on_cpu_without_interpreter(monkeypatch):
     """Documented behaviour: with compiled (non-interpreted) Triton on CPU, everything is reference."""
-    from escha import ops
-    if ops.kernels_enabled(torch.device("cpu")):
-        pytest.skip("this process runs Triton in interpreter mode")
-    assert ops.resolve_path(1000, torch.device("cpu"), 0) == Path.REFERENCE
+    from escha.kernels import common
+    cpu = torch.device("cpu")
+    assert common.kernels_run_on(cpu) == common.interpreted()
+    monkeypatch.setattr(common, "interpreted", lambda: False)
+    assert not common.kernels_run_on(cpu) and not common.ptx_enabled(cpu)
+    assert resolve_path(1000, cpu, 0, bits=2) == KernelPath.REFERENCE
+    assert resolve_path(8, cpu, 0, path="decode", bits=2) == KernelPath.REFERENCE
+    assert available_paths(random_qweight(128, 128, 2), 8) == [KernelPath.REFERENCE]
 
 
 # ---------------------------------------------------------------------------- GPU only

@@ -17,20 +17,20 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import escha
 from escha.format import decode_trellis, input_transform, random_qweight, row_scale
 from escha.format.spec import HAD_BLOCK
-from escha.ops import Path, resolve_path
+from escha.ops import KernelPath, resolve_path
 
 PRIMES = [p for p in range(2, 601) if all(p % d for d in range(2, int(p ** 0.5) + 1))]
 DIM = st.one_of(st.integers(1, 600), st.sampled_from(PRIMES))
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8]
 # Relative Frobenius error allowed per path (docs/KERNELS.md, tolerance table). These are
 # statistical bounds: rounding errors average over the output's elements.
-TOL = {Path.REFERENCE: 1e-5, Path.DECODE: 1e-2, Path.DEQUANT_BF16: 2e-2,
-       Path.PREFILL: 8e-2, Path.DEQUANT_FP8: 8e-2}
+TOL = {KernelPath.REFERENCE: 1e-5, KernelPath.DECODE: 1e-2, KernelPath.DECODE_WGMMA: 1e-2, KernelPath.DEQUANT_BF16: 2e-2,
+       KernelPath.PREFILL: 8e-2, KernelPath.DEQUANT_FP8: 8e-2}
 # A few output elements can cancel (y near 0), where no relative bound holds; there the worst-case
 # operand-rounding bound applies instead: every product term carries at most U relative error,
 # so |dy| <= U * |r| |Hn| |T| |x'|  (componentwise; docs/KERNELS.md, "Small outputs").
-U = {Path.REFERENCE: 0.0, Path.DECODE: 2**-10, Path.DEQUANT_BF16: 2**-7 + 2**-8,
-     Path.PREFILL: 2**-3 + 2**-7, Path.DEQUANT_FP8: 2**-3 + 2**-7}
+U = {KernelPath.REFERENCE: 0.0, KernelPath.DECODE: 2**-10, KernelPath.DECODE_WGMMA: 2**-10, KernelPath.DEQUANT_BF16: 2**-7 + 2**-8,
+     KernelPath.PREFILL: 2**-3 + 2**-7, KernelPath.DEQUANT_FP8: 2**-3 + 2**-7}
 OUT_U = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24}
 
 summary: collections.Counter = collections.Counter()
@@ -52,7 +52,7 @@ def check_case(out: int, inp: int, m: int, dtype: torch.dtype, bits: int, path: 
         return f"refused:{type(e).__name__}"
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"{dtype} accepted"
     assert y.shape == (m, out) and y.dtype == dtype
-    ran = resolve_path(m, x.device, qw.codebook_id, path)
+    ran = resolve_path(m, x.device, qw.codebook_id, path, bits=qw.bits)
     ref = x.double() @ escha.dequantize(qw).double().T
     err = float((y.double() - ref).norm())
     rel = err / float(ref.norm())

@@ -15,9 +15,6 @@ from escha.nn import EschaLinear, set_matmul_path  # noqa: E402
 PROMPT = torch.tensor([[5, 9, 200, 31, 64]])
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     src = str(tmp_path_factory.mktemp("src"))

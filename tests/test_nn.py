@@ -8,9 +8,6 @@ from escha.format import random_qweight
 from escha.nn import EschaLinear
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _ref(x, qw, bias):
     return x.double() @ escha.dequantize(qw).double().T + (0 if bias is None else bias.double())
 

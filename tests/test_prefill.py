@@ -2,21 +2,16 @@
 
 Runs the Triton kernels under the CPU interpreter (tiny shapes); the same tests run on a GPU.
 """
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # No GPU: run the Triton kernels in the CPU interpreter. Must precede triton's import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from dataclasses import replace
 
 import pytest
 import torch
 
 from escha.format import block_hadamard, decode_trellis, input_transform, random_qweight, row_scale
-from escha.kernels.actquant import FP8_DTYPE, actquant
-from escha.kernels.dequant_once import dequant_hn, workspace_bytes
-from escha.kernels.prefill import PrefillConfig, prefill_matmul_q
+from escha.kernels import actquant, actquant_config, dequant_once_config, prefill, prefill_config
+from escha.kernels.actquant import partial_amax_workspace, rows_per_program
+from escha.kernels.common import FP8_DTYPE, workspace
+from escha.kernels.dequant_once import dequant_hn, k_per_prog_for, workspace_bytes
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # e4m3 keeps 3 mantissa bits: round-to-nearest leaves a relative error |d| <= u = 2**-4 per
@@ -39,7 +34,7 @@ def test_actquant_fp8_matches_transform(dtype):
     g = torch.Generator().manual_seed(11)
     qw = random_qweight(64, 200, 2, seed=3, device=DEV)
     x = torch.randn(37, 200, generator=g).to(DEV, dtype)
-    xq, sx = actquant(x, qw.sv, fp8=True)
+    xq, sx = actquant(x, qw, fp8=True)
     assert xq.dtype == FP8_DTYPE and xq.shape == (37, 256) and sx.shape == (37,)
     ref = input_transform(x, qw)
     # Per-token scale: the row's absmax lands on 448 (within rounding of the scale itself).
@@ -56,12 +51,12 @@ def test_actquant_bf16_and_nan_rows():
     g = torch.Generator().manual_seed(12)
     qw = random_qweight(64, 130, 2, seed=4, device=DEV)
     x = torch.randn(20, 130, generator=g).to(DEV, torch.bfloat16)
-    xb, s = actquant(x, qw.sv, fp8=False)
+    xb, s = actquant(x, qw, fp8=False)
     assert s is None and xb.dtype == torch.bfloat16
     assert rel(xb, input_transform(x, qw)) < 2 * BF16_ELEM_RMS
     x[3, 7] = float("nan")
     x[5, 0] = float("inf")
-    _, sx = actquant(x, qw.sv, fp8=True)
+    _, sx = actquant(x, qw, fp8=True)
     assert torch.isnan(sx[3]) and torch.isnan(sx[5])
     assert torch.isfinite(sx[[0, 1, 2, 4, 6]]).all()
 
@@ -73,10 +68,9 @@ def test_fused_prefill_vs_quantized_operands(bits, m):
     g = torch.Generator().manual_seed(100 + m + bits)
     qw = random_qweight(200, 256, bits, seed=bits, device=DEV)
     x = torch.randn(m, 256, generator=g).to(DEV, torch.bfloat16)
-    xq, sx = actquant(x, qw.sv, fp8=True)
+    xq, sx = actquant(x, qw, fp8=True)  # what prefill computes first (deterministic)
     y = torch.full((m, 200), float("nan"), device=DEV, dtype=torch.float32)  # poisoned
-    prefill_matmul_q(xq, sx, qw.trellis, qw.su, qw.scale, qw.gscale, 200, bits, torch.float32,
-                     config=PrefillConfig(block_m=64, num_warps=4, num_stages=1), out=y)
+    prefill(x, qw, config=replace(prefill_config(qw, m), block_m=64, num_warps=4, num_stages=1), out=y)
     assert torch.isfinite(y).all(), "some outputs were never written"
     t8 = fp8_round(decode_trellis(qw).float() * 64) / 64
     z = (xq.float() * sx[:, None]) @ t8.T
@@ -89,10 +83,10 @@ def test_dequant_hn_both_precisions():
     qw = random_qweight(250, 300, 2, seed=9, device=DEV)
     t = decode_trellis(qw).float()
     hn_t = block_hadamard(t, dim=0)  # Hn T (normalized)
-    w, ws = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=True)
+    w, ws = dequant_hn(qw, fp8=True)
     assert w.dtype == FP8_DTYPE and w.shape == (256, 384) and ws.shape == (256,)
     assert rel(w.float() * ws[:, None], hn_t * row_scale(qw)[:, None]) < 1.3 * FP8_ELEM_RMS
-    wb, none = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=False)
+    wb, none = dequant_hn(qw, fp8=False)
     assert none is None and wb.dtype == torch.bfloat16
     assert rel(wb, hn_t * row_scale(qw)[:, None]) < 2 * BF16_ELEM_RMS
     assert workspace_bytes(17408, 5120) == 17408 * 5120 + 4 * 17408
@@ -101,9 +95,9 @@ def test_dequant_hn_both_precisions():
 def test_dequant_workspace_is_reused():
     qw1 = random_qweight(128, 128, 2, seed=1, device=DEV)
     qw2 = random_qweight(128, 128, 2, seed=2, device=DEV)
-    w1, _ = dequant_hn(qw1.trellis, qw1.su, qw1.scale, qw1.gscale, 2, fp8=True)
+    w1, _ = dequant_hn(qw1, fp8=True)
     p1 = w1.data_ptr()
-    w2, _ = dequant_hn(qw2.trellis, qw2.su, qw2.scale, qw2.gscale, 2, fp8=True)
+    w2, _ = dequant_hn(qw2, fp8=True)
     assert w2.data_ptr() == p1  # no allocation per call
 
 
@@ -142,12 +136,12 @@ def exact_grid_x(m: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("m,k,block_m,min_programs", [(70, 600, 64, 1024), (37, 640, 16, 1)])
 def test_actquant_equals_torch_reference(m, k, block_m, min_programs):
     """Many k blocks (5), ragged K and M; min_programs=1 forces R = 4 row blocks per program."""
-    from escha.kernels.actquant import ActQuantConfig, row_blocks_per_prog
     qw = random_qweight(64, k, 2, seed=5, device=DEV)
     x = exact_grid_x(m, k, seed=m)
-    cfg = ActQuantConfig(block_m=block_m, min_programs=min_programs, max_rows_per_prog=4)
-    assert row_blocks_per_prog(m, 5, cfg) == (1 if min_programs > 1 else 4)
-    xq, sx = actquant(x, qw.sv, fp8=True, config=cfg)
+    r = rows_per_program(m, 5, block_m, min_programs=min_programs, max_rows=4)
+    assert r == (1 if min_programs > 1 else 4)
+    cfg = replace(actquant_config(qw, m), block_m=block_m, rows_per_prog=r)
+    xq, sx = actquant(x, qw, fp8=True, config=cfg)
     q_ref, s_ref = actquant_reference(x, qw.sv)
     assert xq.shape == (m, 640) and sx.shape == (m,)
     assert torch.equal(sx.cpu(), s_ref)
@@ -160,19 +154,23 @@ def test_actquant_equals_torch_reference(m, k, block_m, min_programs):
 def test_actquant_partials_all_written_and_deterministic():
     """Poison the partial-max scratch with +Inf (an unwritten partial would turn its row's scale
     NaN); two runs must agree bit for bit; R=2 and R=1 launches give identical results."""
-    from escha.kernels.actquant import ActQuantConfig, partial_amax_workspace
     qw = random_qweight(64, 384, 2, seed=6, device=DEV)
     x = torch.randn(50, 384, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
     partial_amax_workspace(torch.device(DEV), 50, 3).fill_(float("inf"))
-    a = actquant(x, qw.sv, fp8=True, config=ActQuantConfig(block_m=16))
+    one = replace(actquant_config(qw, 50), block_m=16)
+    assert one.rows_per_prog == 1  # 4 x 3 programs are far below the rule's minimum grid
+    two = replace(one, rows_per_prog=rows_per_program(50, 3, 16, min_programs=1, max_rows=2))
+    assert two.rows_per_prog == 2
+    a = actquant(x, qw, fp8=True, config=one)
     assert torch.isfinite(a[1]).all()
-    b = actquant(x, qw.sv, fp8=True, config=ActQuantConfig(block_m=16))
-    c = actquant(x, qw.sv, fp8=True, config=ActQuantConfig(block_m=16, min_programs=1, max_rows_per_prog=2))
+    b = actquant(x, qw, fp8=True, config=one)
+    c = actquant(x, qw, fp8=True, config=two)
     for other in (b, c):
         assert torch.equal(a[0].view(torch.uint8), other[0].view(torch.uint8))
         assert torch.equal(a[1], other[1])
-    xb1, _ = actquant(x, qw.sv, fp8=False, config=ActQuantConfig(block_m=16))
-    xb2, _ = actquant(x, qw.sv, fp8=False, config=ActQuantConfig(block_m=16, min_programs=1))
+    xb1, _ = actquant(x, qw, fp8=False, config=one)
+    xb2, _ = actquant(x, qw, fp8=False,
+                      config=replace(one, rows_per_prog=rows_per_program(50, 3, 16, min_programs=1)))
     assert torch.equal(xb1, xb2)
 
 
@@ -181,7 +179,6 @@ def test_dequant_hn_exact_and_poisoned():
     scratch: bitwise e4m3(Hn_pm1 T / 2) wherever that is a normal e4m3 value. The scratch is
     poisoned first (NaN bytes), so a block the kernel skips shows up. Kp = 640: 10 k blocks of 64,
     5 per program (k_per_prog_for(10, 8))."""
-    from escha.kernels.dequant_once import DequantConfig, k_per_prog_for, workspace
     assert k_per_prog_for(10, 8) == 5 and k_per_prog_for(80, 8) == 8 and k_per_prog_for(7, 4) == 1
     qw = random_qweight(250, 600, 2, seed=21, device=DEV)
     t = decode_trellis(qw).float().cpu()
@@ -190,10 +187,10 @@ def test_dequant_hn_exact_and_poisoned():
     workspace(dev, torch.bfloat16, (256, 640)).fill_(float("nan"))
     workspace(dev, FP8_DTYPE, (256, 640)).view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
     r = (qw.scale.float() * qw.su.float() * qw.gscale.float() * (1 / 128 ** 0.5)).cpu()
-    wb, _ = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=False)
+    wb, _ = dequant_hn(qw, fp8=False)
     assert torch.equal(wb.cpu(), (hn * r[:, None]).to(torch.bfloat16))
-    w8, ws = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=True,
-                        config=DequantConfig(k_per_prog=8, block_k=64))
+    base = dequant_once_config(qw, 1)
+    w8, ws = dequant_hn(qw, fp8=True, config=replace(base, k_per_prog=8, block_k=64))
     w8, ws = w8.clone(), ws.clone()  # the next call refills the same scratch
     assert not torch.isnan(w8.float()).any()
     want = (hn * 0.5).to(FP8_DTYPE).float()
@@ -201,6 +198,5 @@ def test_dequant_hn_exact_and_poisoned():
     assert torch.equal(w8.cpu().float()[normal], want[normal])
     assert float((w8.cpu().float() - want).abs().max()) <= 2.0 ** -9  # subnormals: within half their step
     assert torch.equal(ws.cpu(), r / 0.5)
-    w8b, _ = dequant_hn(qw.trellis, qw.su, qw.scale, qw.gscale, 2, fp8=True,
-                        config=DequantConfig(k_per_prog=1, block_k=128))
+    w8b, _ = dequant_hn(qw, fp8=True, config=replace(base, k_per_prog=1, block_k=128))
     assert torch.equal(w8b.view(torch.uint8), w8.view(torch.uint8))  # same scratch, same bits

@@ -7,7 +7,7 @@ from . import codebooks
 from .bitstream import states_from_words
 from .hadamard import block_hadamard
 from .qweight import QuantizedWeight
-from .spec import TILE
+from .spec import HAD_BLOCK, TILE
 
 
 def decode_tiles(words: torch.Tensor, bits: int, codebook: codebooks.Codebook | str | int = 0) -> torch.Tensor:
@@ -30,13 +30,20 @@ def row_scale(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
-    """W_hat = diag(g*c*su) Hn T Hk diag(sv), cropped to the original shape; float32."""
+    """W_hat = diag(g*c*su) Hn T Hk diag(sv), cropped to the original shape; float32, the exact
+    value rounded once (docs/FORMAT.md section 5).
+
+    Hn T Hk = (Hn_pm1 T Hk_pm1) / 128 with the +-1 matrices. For 3INST every T is a multiple of
+    2**-13 below 4, so every partial sum of Hn_pm1 T Hk_pm1 is a multiple of 2**-13 below 2**16:
+    exact in float64, in any summation order. Its product with the float32 row scale needs at most
+    24 + 29 = 53 bits, so it is exact too, and the one rounding is the cast to float32.
+    """
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"dequantize expects a QuantizedWeight, got {type(qw).__name__}")
-    t = decode_trellis(qw).float()
-    w = block_hadamard(t, dim=1) * qw.sv.float()[None, :]
-    w = block_hadamard(w, dim=0) * row_scale(qw)[:, None]
-    return w[: qw.shape[0], : qw.shape[1]].contiguous()
+    t = decode_trellis(qw).double()
+    w = block_hadamard(t, dim=1, normalized=False) * qw.sv.double()[None, :]
+    w = block_hadamard(w, dim=0, normalized=False) * (row_scale(qw).double()[:, None] / HAD_BLOCK)
+    return w[: qw.shape[0], : qw.shape[1]].float().contiguous()
 
 
 def input_transform(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:

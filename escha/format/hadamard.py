@@ -9,36 +9,39 @@ from .spec import HAD_BLOCK
 
 
 @functools.lru_cache(maxsize=8)
-def _sylvester(n: int) -> torch.Tensor:
+def _sylvester_pm1(n: int) -> torch.Tensor:
     i = torch.arange(n)
     parity = torch.zeros(n, n, dtype=torch.int64)
     x = i[:, None] & i[None, :]
     while bool(x.any()):
         parity ^= x & 1
         x = x >> 1
-    return (1 - 2 * parity).to(torch.float64) / n**0.5
+    return (1 - 2 * parity).to(torch.float64)
 
 
 def hadamard_matrix(n: int = HAD_BLOCK, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
-    """Orthonormal Sylvester Hadamard matrix: H[i, j] = (-1)**popcount(i & j) / sqrt(n).
+                    device: torch.device | str = "cpu", normalized: bool = True) -> torch.Tensor:
+    """Sylvester Hadamard matrix: H[i, j] = (-1)**popcount(i & j) / sqrt(n), or without the
+    1/sqrt(n) when ``normalized`` is False (the exact +-1 matrix).
 
-    It is symmetric and its own inverse. ``n`` must be a power of two.
+    The normalized matrix is symmetric and its own inverse. ``n`` must be a power of two.
     """
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    return _sylvester(n).to(dtype=dtype, device=device)
+    h = _sylvester_pm1(n)
+    return (h / n**0.5 if normalized else h).to(dtype=dtype, device=device)
 
 
-def block_hadamard(x: torch.Tensor, dim: int = -1, block: int = HAD_BLOCK) -> torch.Tensor:
+def block_hadamard(x: torch.Tensor, dim: int = -1, block: int = HAD_BLOCK, normalized: bool = True) -> torch.Tensor:
     """Apply blockdiag(H, H, ...) along ``dim`` (whose size must be a multiple of ``block``).
 
-    Computed in float32 (float64 stays float64); the transform is its own inverse.
+    Computed in float32 (float64 stays float64); the normalized transform is its own inverse.
+    ``normalized=False`` multiplies by the exact +-1 matrix instead.
     """
     if x.shape[dim] % block:
         raise ValueError(f"dimension {dim} has size {x.shape[dim]}, not a multiple of {block}")
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = hadamard_matrix(block, dt, x.device)
+    h = hadamard_matrix(block, dt, x.device, normalized)
     y = x.to(dt).movedim(dim, -1)
     y = (y.unflatten(-1, (-1, block)) @ h).flatten(-2)
     return y.movedim(-1, dim)

@@ -1,7 +1,8 @@
 """QuantizedWeight: one Escha W2 matrix (trellis bits plus incoherence side information)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, fields
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
@@ -13,16 +14,49 @@ class FormatError(ValueError):
     """A tensor, file or header that does not follow the Escha W2 format."""
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One stored tensor of a QuantizedWeight (docs/FORMAT.md sections 5 and 7).
+
+    ``shape`` maps (Np, Kp, bits) to the tensor's shape; ``values`` names the rule its values
+    follow ("any", "signs": each +1 or -1, "finite"); ``fill`` is the value of a placeholder
+    weight (a valid weight that loading replaces).
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: Callable[[int, int, int], tuple[int, ...]]
+    values: str
+    fill: float
+    meaning: str
+
+
+#: The five stored tensors, in file and argument order: the one declaration every reader,
+#: writer and kernel entry point derives from.
+WEIGHT_TENSORS: tuple[TensorSpec, ...] = (
+    TensorSpec("trellis", torch.int32, lambda np_, kp, bits: (np_ // TILE, kp // TILE, words_per_tile(bits)),
+               "any", 0, "each tile's 8*bits bitstream words (uint32 patterns)"),
+    TensorSpec("su", torch.int8, lambda np_, kp, bits: (np_,), "signs", 1, "output signs"),
+    TensorSpec("sv", torch.int8, lambda np_, kp, bits: (kp,), "signs", 1, "input signs"),
+    TensorSpec("scale", torch.float16, lambda np_, kp, bits: (np_,), "finite", 1, "per-output-channel scale c"),
+    TensorSpec("gscale", torch.float32, lambda np_, kp, bits: (1,), "finite", 1, "global scale g"),
+)
+TENSOR_NAMES: tuple[str, ...] = tuple(s.name for s in WEIGHT_TENSORS)
+
+
 @dataclass
 class QuantizedWeight:
     """An [out, in] weight W stored as  W ~ diag(g*c*su) Hn T Hk diag(sv)  (docs/FORMAT.md).
 
     Attributes:
-        trellis: int32 [Np/16, Kp/16, 8*bits], each tile's bitstream words (uint32 patterns).
-        su: int8 [Np] output signs (+1/-1).   sv: int8 [Kp] input signs.
-        scale: float16 [Np] per-output-channel scale c.   gscale: float32 [1] global scale g.
+        trellis, su, sv, scale, gscale: the stored tensors, as ``WEIGHT_TENSORS`` declares them.
         shape: the original (out, in).   bits: K.   codebook_id: file id of the codebook.
+
+    Construction validates every field, values included (signs are +-1, scales finite), which
+    reads values back to the host; ``trusted`` builds one without that.
     """
+
+    TENSORS: ClassVar[tuple[TensorSpec, ...]] = WEIGHT_TENSORS
 
     trellis: torch.Tensor
     su: torch.Tensor
@@ -33,10 +67,29 @@ class QuantizedWeight:
     bits: int
     codebook_id: int = 0
     had_block: int = HAD_BLOCK
+    check_values: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_values: bool) -> None:
         self.shape = tuple(int(s) for s in self.shape)  # type: ignore[assignment]
-        self.validate()
+        self.validate(check_values)
+
+    @classmethod
+    def trusted(cls, tensors: Sequence[torch.Tensor], shape: tuple[int, int], bits: int,
+                codebook_id: int = 0) -> "QuantizedWeight":
+        """A weight over tensors (in ``TENSOR_NAMES`` order) taken from a weight validated before.
+
+        Checks shapes, dtypes and devices but never reads a value, so it does not synchronize
+        with the host: it is legal inside CUDA-graph capture (escha.matmul's custom op uses it).
+        """
+        return cls(*tensors, shape=shape, bits=bits, codebook_id=codebook_id, check_values=False)
+
+    @classmethod
+    def placeholder(cls, shape: tuple[int, int], bits: int, codebook_id: int = 0,
+                    device: torch.device | str | None = None) -> "QuantizedWeight":
+        """A valid weight of this shape whose tensors hold each spec's ``fill`` value."""
+        np_, kp = padded(shape[0]), padded(shape[1])
+        tensors = [torch.full(s.shape(np_, kp, bits), s.fill, dtype=s.dtype, device=device) for s in cls.TENSORS]
+        return cls(*tensors, shape=shape, bits=bits, codebook_id=codebook_id)
 
     # -- derived properties -------------------------------------------------------------
     @property
@@ -75,9 +128,8 @@ class QuantizedWeight:
         return self.storage_bits / (self.shape[0] * self.shape[1])
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The stored tensors, keyed by their suffix in a file."""
-        return {"trellis": self.trellis, "su": self.su, "sv": self.sv,
-                "scale": self.scale, "gscale": self.gscale}
+        """The stored tensors, keyed by their suffix in a file, in ``TENSOR_NAMES`` order."""
+        return {name: getattr(self, name) for name in TENSOR_NAMES}
 
     def to(self, device: torch.device | str) -> "QuantizedWeight":
         """A copy with every tensor on ``device``."""
@@ -91,7 +143,11 @@ class QuantizedWeight:
 
     # -- validation ---------------------------------------------------------------------
     def validate(self, check_values: bool = True) -> None:
-        """Raise FormatError naming the first inconsistency between fields."""
+        """Raise FormatError naming the first inconsistency between fields.
+
+        ``check_values`` also checks the values (signs, finite scales), which reads them back to
+        the host; tensors on the meta device have no values to check.
+        """
         try:
             check_bits(self.bits)
             codebooks.get(self.codebook_id)
@@ -102,30 +158,27 @@ class QuantizedWeight:
         if len(self.shape) != 2 or min(self.shape) < 1:
             raise FormatError(f"shape must be two positive dimensions, got {self.shape}")
         np_, kp = self.padded_shape
-        want = {
-            "trellis": ((np_ // TILE, kp // TILE, words_per_tile(self.bits)), torch.int32),
-            "su": ((np_,), torch.int8),
-            "sv": ((kp,), torch.int8),
-            "scale": ((np_,), torch.float16),
-            "gscale": ((1,), torch.float32),
-        }
         devices = set()
-        for name, (shape, dtype) in want.items():
-            t = getattr(self, name)
+        for spec in self.TENSORS:
+            t = getattr(self, spec.name)
             if not isinstance(t, torch.Tensor):
-                raise FormatError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise FormatError(f"{name} must be {dtype} {list(shape)} for shape {self.shape} "
+                raise FormatError(f"{spec.name} must be a torch.Tensor, got {type(t).__name__}")
+            shape = spec.shape(np_, kp, self.bits)
+            if tuple(t.shape) != shape or t.dtype != spec.dtype:
+                raise FormatError(f"{spec.name} must be {spec.dtype} {list(shape)} for shape {self.shape} "
                                   f"K={self.bits}, got {t.dtype} {list(t.shape)}")
             devices.add(t.device)
         if len(devices) > 1:
             raise FormatError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
         if check_values and self.trellis.device.type != "meta":
-            for name in ("su", "sv"):
-                t = getattr(self, name)
-                if bool(((t != 1) & (t != -1)).any()):
-                    raise FormatError(f"{name} must hold only +1 and -1")
-            for name in ("scale", "gscale"):
-                t = getattr(self, name)
-                if not bool(torch.isfinite(t).all()):
-                    raise FormatError(f"{name} holds NaN or Inf")
+            for spec in self.TENSORS:
+                t = getattr(self, spec.name)
+                if spec.values == "signs" and bool(((t != 1) & (t != -1)).any()):
+                    raise FormatError(f"{spec.name} must hold only +1 and -1")
+                if spec.values == "finite" and not bool(torch.isfinite(t).all()):
+                    raise FormatError(f"{spec.name} holds NaN or Inf")
+
+
+# The dataclass fields and the declaration name the same tensors in the same order.
+assert tuple(f.name for f in fields(QuantizedWeight))[:len(TENSOR_NAMES)] == TENSOR_NAMES
+

@@ -1,9 +1,27 @@
-"""Triton kernels for Escha W2: the 3INST codec, dequant, transforms and the decode GEMM."""
-from .codec import Ablation, CodecPath
-from .decode import DecodeConfig, decode_config, decode_matmul
-from .dequant import FP8_SCALE, dequantize_core
-from .splitk import SplitKRule, decode_split_k
-from .transforms import hadamard_input, hadamard_output
+"""Triton kernels for Escha W2. Every op has one shape: ``op(x, qw, *, config=None)``, a frozen
+config dataclass, and a pure rule ``op_config(qw, m, device)`` that picks the config (tests and
+benchmarks override it with ``dataclasses.replace``).
 
-__all__ = ["Ablation", "CodecPath", "DecodeConfig", "decode_config", "decode_matmul", "FP8_SCALE",
-           "dequantize_core", "SplitKRule", "decode_split_k", "hadamard_input", "hadamard_output"]
+    decode        decode GEMM, 1..64 tokens                 DecodeConfig, decode_config
+    decode_wgmma  register-operand decode GEMM (Hopper)     DecodeWgmmaConfig, decode_wgmma_config
+    prefill       fused fp8 GEMM decoding in the loop       PrefillConfig, prefill_config
+    dequant_fp8   dequantize once (e4m3) + fp8 GEMM         DequantOnceConfig, dequant_once_config
+    dequant_bf16  dequantize once (bf16) + bf16 GEMM        DequantOnceConfig, dequant_once_config
+    actquant      activation transform (+ e4m3)             ActQuantConfig, actquant_config
+    dequantize_core  the dense core T (no activations)      DequantConfig, dequant_config(qw, device)
+
+What every kernel shares (interpreter, PTX, workspace, constants, rounding) is in ``common``.
+"""
+from .actquant import ActQuantConfig, actquant, actquant_config
+from .codec import CodecPath, codec_path
+from .decode import DecodeConfig, decode, decode_config
+from .decode_wgmma import DecodeWgmmaConfig, decode_wgmma, decode_wgmma_config
+from .dequant import DequantConfig, dequant_config, dequantize_core
+from .dequant_once import DequantOnceConfig, dequant_bf16, dequant_fp8, dequant_once_config
+from .prefill import PrefillConfig, prefill, prefill_config
+from .splitk import SplitKRule, decode_split_k
+
+__all__ = ["ActQuantConfig", "actquant", "actquant_config", "CodecPath", "codec_path", "DecodeConfig",
+           "decode", "decode_config", "DecodeWgmmaConfig", "decode_wgmma", "decode_wgmma_config", "DequantConfig", "dequant_config", "dequantize_core",
+           "DequantOnceConfig", "dequant_bf16", "dequant_fp8", "dequant_once_config", "PrefillConfig",
+           "prefill", "prefill_config", "SplitKRule", "decode_split_k"]

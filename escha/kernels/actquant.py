@@ -9,48 +9,16 @@ usually the second time from L2, but x' is never written in fp32) and stores e4m
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .transforms import hadamard_pm1
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-# The kernel multiplies by the unnormalized +-1 Hadamard matrix (exact in any dtype); this
-# folds its 1/sqrt(128) back in, on the fp32 scale rather than on every element.
-HAD_NORM = 1.0 / math.sqrt(HAD_BLOCK)
-
-
-@triton.jit
-def to_e4m3(v, ROUND_FIRST: tl.constexpr):
-    """Cast to float8 e4m3 (round to nearest even).
-
-    ROUND_FIRST (used under the interpreter) first rounds v to 3 mantissa bits in fp32 integer
-    arithmetic, so the cast itself is exact: the interpreter's own cast drops the carry when
-    rounding crosses a power of two (31.6 became 16, not 32). The GPU's cvt is correct and is
-    used directly. Valid for e4m3's normal range, which the callers' scales target.
-    """
-    if ROUND_FIRST:
-        b = v.to(tl.float32).to(tl.int32, bitcast=True)
-        b = b + 0x7FFFF + ((b >> 20) & 1)
-        v = (b & -1048576).to(tl.float32, bitcast=True)  # -1048576 == ~0xFFFFF
-    return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def to_bf16(v, ROUND_FIRST: tl.constexpr):
-    """Cast fp32 to bf16, round to nearest even. ROUND_FIRST (interpreter only) rounds in integer
-    arithmetic first: the interpreter's own cast truncates, doubling the rounding error."""
-    if ROUND_FIRST:
-        b = v.to(tl.float32).to(tl.int32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)
-        v = (b & -65536).to(tl.float32, bitcast=True)  # -65536 == ~0xFFFF
-    return v.to(tl.bfloat16)
+from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_pm1,
+                     round_to, workspace)
 
 
 @triton.jit
@@ -88,10 +56,9 @@ def absmax_kernel(x_ptr, sv_ptr, part_ptr, M, K, stride_xm, NKB: tl.constexpr, B
 
 
 @triton.jit
-def quantize_kernel(x_ptr, sv_ptr, part_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_om,
+def quantize_kernel(x_ptr, sv_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om,
                     NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
-                    HB: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, NORM: tl.constexpr,
-                    ROUND_FIRST: tl.constexpr):
+                    HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Pass 2: reduce the row's NKB partial maxima to its scale, recompute x'[rows, k block] and
     store it in e4m3. Every program of a row block derives the same scale from the same partials
     (max is exact and order-free); the k-block-0 program stores it."""
@@ -108,21 +75,21 @@ def quantize_kernel(x_ptr, sv_ptr, part_ptr, out_ptr, scale_ptr, M, K, stride_xm
         amax = tl.max(part, axis=1)
         bad = amax == float("inf")
         amax = tl.where(bad, 1.0, tl.maximum(amax, 1e-30))  # an all-zero row: any positive scale is exact
-        inv = FP8_MAX_C / amax
+        inv = FP8_MAX / amax
         if pid_k == 0:
             # A row with NaN/Inf gets a NaN scale, so its whole output row turns NaN, as it would
             # through the reference transform.
-            tl.store(scale_ptr + rows, tl.where(bad, float("nan"), amax * (NORM / FP8_MAX_C)), mask=row_ok)
+            tl.store(xscale_ptr + rows, tl.where(bad, float("nan"), amax * (INV_SQRT_HAD / FP8_MAX)),
+                     mask=row_ok)
         v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
-        q = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX_C), FP8_MAX_C)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], to_e4m3(q, ROUND_FIRST),
+        q = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], round_to(q, tl.float8e4nv),
                  mask=row_ok[:, None])
 
 
 @triton.jit
 def transform_bf16_kernel(x_ptr, sv_ptr, out_ptr, M, K, stride_xm, stride_om, BM: tl.constexpr,
-                          R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr, NORM: tl.constexpr,
-                          ROUND_FIRST: tl.constexpr):
+                          R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """bf16 path, one pass: out[rows, k block] = bf16(x' / sqrt(128)) for R row blocks and k block pid_k."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -133,52 +100,45 @@ def transform_bf16_kernel(x_ptr, sv_ptr, out_ptr, M, K, stride_xm, stride_om, BM
         row_ok = rows < M
         v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                 to_bf16(v * NORM, ROUND_FIRST), mask=row_ok[:, None])
+                 round_to(v * INV_SQRT_HAD, tl.bfloat16), mask=row_ok[:, None])
 
 
 @dataclass(frozen=True)
 class ActQuantConfig:
-    """Launch shape: BM rows per program (>= 16, the smallest tensor-core M); one 128-wide k
-    block per program, so the grid is ceil(M / BM) x Kp/128."""
+    """Launch parameters of the activation kernels; ``actquant_config`` is the rule that picks them.
 
-    block_m: int = 64
-    num_warps: int = 4
-    # Row blocks per program, R in (1, 2, 4, 8): the largest that still leaves >= min_programs
-    # programs. Each program rebuilds the [128, 128] +-1 matrix from indices (~10 integer ops
-    # per entry, 128 entries a thread at 4 warps against 64 loaded activations), so at large M
-    # sharing it over R row blocks saves that work while the grid still fills the GPU.
-    min_programs: int = 1024
-    max_rows_per_prog: int = 8
-    num_stages: int = 2  # with R > 1, the next row block's x loads overlap this block's math
+    The grid is ceil(M / (block_m * rows_per_prog)) x Kp/128: one 128-wide k block per program.
+    """
+
+    block_m: int  # rows per block (>= 16, the smallest tensor-core M)
+    rows_per_prog: int  # R: row blocks per program, which share one build of the +-1 matrix
+    num_warps: int
+    num_stages: int  # with R > 1, the next row block's x loads overlap this block's math
 
 
-def row_blocks_per_prog(m: int, nkb: int, cfg: "ActQuantConfig") -> int:
-    """R for a call: the largest power of two <= cfg.max_rows_per_prog keeping the grid >= min_programs."""
+# Each program rebuilds the [128, 128] +-1 matrix from indices (~10 integer ops per entry, 128
+# entries a thread at 4 warps against 64 loaded activations), so at large M sharing it over R row
+# blocks saves that work, as long as the grid still fills the GPU with MIN_PROGRAMS programs.
+MIN_PROGRAMS = 1024
+MAX_ROWS_PER_PROG = 8
+
+
+def rows_per_program(m: int, nkb: int, block_m: int, min_programs: int = MIN_PROGRAMS,
+                     max_rows: int = MAX_ROWS_PER_PROG) -> int:
+    """R for m rows and nkb k blocks: the largest power of two <= max_rows keeping the grid
+    >= min_programs programs (1 when even R = 1 falls short)."""
     r = 1
-    while (2 * r <= cfg.max_rows_per_prog
-           and triton.cdiv(m, cfg.block_m * 2 * r) * nkb >= cfg.min_programs):
+    while 2 * r <= max_rows and triton.cdiv(m, block_m * 2 * r) * nkb >= min_programs:
         r *= 2
     return r
 
 
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
-
-
-def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The reusable scratch for (device, current stream, dtype, shape); allocated on first use only.
-
-    Two callers on one stream are ordered by the stream, so sharing is safe; a tensor from one
-    call is overwritten by the next call of the same key, so callers never return it.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, dtype, tuple(shape))
-    buf = _WORKSPACE.get(key)
-    if buf is None:
-        buf = torch.empty(shape, device=device, dtype=dtype)
-        _WORKSPACE[key] = buf
-    return buf
+def actquant_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> ActQuantConfig:
+    """The rule: [64, 128] blocks at 4 warps, 2 stages, R from ``rows_per_program`` (the device
+    does not change the choice)."""
+    block_m = 64
+    return ActQuantConfig(block_m=block_m, rows_per_prog=rows_per_program(m, qw.padded_shape[1] // HAD_BLOCK, block_m),
+                          num_warps=4, num_stages=2)
 
 
 def partial_amax_workspace(device: torch.device, m: int, nkb: int) -> torch.Tensor:
@@ -191,59 +151,41 @@ def partial_amax_workspace(device: torch.device, m: int, nkb: int) -> torch.Tens
     return workspace(device, torch.float32, (cap,))[: m * nkb]
 
 
-def interpreted() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(absmax_kernel).__name__ == "InterpretedFunction"
-
-
-def dot_dtype(dtype: torch.dtype):
-    """Operand dtype for a tensor-core product of values exact in ``dtype``.
-
-    The interpreter's bf16 arithmetic is unreliable under numpy 2 (a bf16 tl.dot returned
-    garbage), so interpreted runs use fp32, which holds every fp16/bf16 value exactly.
-    """
-    return tl.float32 if interpreted() else _DOT_DTYPES[dtype]
-
-
-def actquant(x2d: torch.Tensor, sv: torch.Tensor, fp8: bool = True,
+def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
              config: ActQuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x2d [M, K] (fp16/bf16/fp32) and input signs sv [Kp] -> (x' [M, Kp], scale [M] or None).
+    """x [..., in] (fp16/bf16/fp32) -> (x' [M, Kp], xscale [M] or None), x' = Hk (sv * pad(x)).
 
-    fp8=True: x' is float8_e4m3fn and x'_true[m] = x'[m].float() * scale[m] (the Hadamard's
+    fp8=True: x' is float8_e4m3fn and x'_true[m] = x'[m].float() * xscale[m] (the Hadamard's
     1/sqrt(128) is inside the scale). fp8=False: x' is bfloat16, already normalized.
+    ``config`` overrides ``actquant_config``.
     """
-    if x2d.dim() != 2 or x2d.dtype not in _DOT_DTYPES:
-        raise ValueError(f"actquant needs a 2-D fp16/bf16/fp32 tensor, got {x2d.dtype} {tuple(x2d.shape)}")
-    kp = sv.numel()
-    if kp % HAD_BLOCK or x2d.shape[1] > kp:
-        raise ValueError(f"sv has {kp} entries; need a multiple of {HAD_BLOCK} >= K={x2d.shape[1]}")
-    cfg = config or ActQuantConfig()
+    check_operands(x, qw, "actquant")
+    x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    m = x2d.shape[0]
-    out = torch.empty((m, kp), device=x2d.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
-    scale = torch.empty((m,), device=x2d.device, dtype=torch.float32) if fp8 else None
+    m, k = x2d.shape
+    kp = qw.padded_shape[1]
+    cfg = config or actquant_config(qw, m, x.device)
+    out = torch.empty((m, kp), device=x.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
+    xscale = torch.empty((m,), device=x.device, dtype=torch.float32) if fp8 else None
     if m == 0:
-        return out, scale
+        return out, xscale
     nkb = kp // HAD_BLOCK
-    r = row_blocks_per_prog(m, nkb, cfg)
+    r = cfg.rows_per_prog
     grid = (triton.cdiv(m, cfg.block_m * r), nkb)
     ddt = dot_dtype(x2d.dtype)
+    launch = dict(BM=cfg.block_m, R=r, HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     if not fp8:
-        transform_bf16_kernel[grid](x2d, sv, out, m, x2d.shape[1], x2d.stride(0), out.stride(0),
-                                    BM=cfg.block_m, R=r, HB=HAD_BLOCK, DOT_DTYPE=ddt, NORM=HAD_NORM,
-                                    ROUND_FIRST=interpreted(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        transform_bf16_kernel[grid](x2d, qw.sv, out, m, k, x2d.stride(0), out.stride(0), **launch)
         return out, None
-    part = partial_amax_workspace(x2d.device, m, nkb)
+    part = partial_amax_workspace(x.device, m, nkb)
     # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
     # per model) and a constant-size reduction in pass 2.
-    absmax_kernel[grid](x2d, sv, part, m, x2d.shape[1], x2d.stride(0), NKB=nkb, BM=cfg.block_m, R=r,
-                        HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    quantize_kernel[grid](x2d, sv, part, out, scale, m, x2d.shape[1], x2d.stride(0), out.stride(0),
-                          NKB=nkb, NKB_P2=triton.next_power_of_2(nkb), BM=cfg.block_m, R=r, HB=HAD_BLOCK,
-                          DOT_DTYPE=ddt, FP8_MAX_C=FP8_MAX, NORM=HAD_NORM, ROUND_FIRST=interpreted(),
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out, scale
+    absmax_kernel[grid](x2d, qw.sv, part, m, k, x2d.stride(0), NKB=nkb, **launch)
+    quantize_kernel[grid](x2d, qw.sv, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
+                          NKB=nkb, NKB_P2=triton.next_power_of_2(nkb), **launch)
+    return out, xscale
 
 # Configuration note. The grid is (row blocks) x (128-wide k blocks): at M=512, K=5120 that is
 # 8 x 40 = 320 programs per pass (the previous one-program-per-32-rows kernel had 16 and walked

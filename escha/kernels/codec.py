@@ -9,24 +9,39 @@ Two implementations of each step, selected by a constexpr in the calling kernel:
   ``mad.lo.u32`` for the LCG, ``lop3.b32`` (LUT 0x6A = (a & b) ^ c) for the mask/xor, two
   ``prmt.b32`` to pair the fp16 halves of two states and one ``add.f16x2`` for both sums.
 
-``CodecPath`` names the two; kernels take ``USE_PTX: tl.constexpr`` and call
-``decode_states``/``state_values`` below, which dispatch at compile time.
+``CodecPath`` names the two; configs carry one (``codec_path`` picks it for a device) and kernels
+take ``USE_PTX: tl.constexpr`` and call ``state_values``/``decode_block``, which dispatch at
+compile time.
 """
 from __future__ import annotations
 
 import enum
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# 3INST constants (escha.format.codebooks.ThreeInst); duplicated as module constants so the
-# Triton functions can fold them. tests/test_codec_kernels.py checks they agree.
-MUL = 89226354
-ADD = 64248484
-MASK = 0x8FFF8FFF
-XOR = 0x3B603B60
+from ..format.codebooks import ThreeInst
+from .common import ptx_enabled
+
+# The 3INST constants (escha.format.codebooks.ThreeInst) as constexprs, so the Triton code folds
+# them, and spelled into the PTX below.
+MUL = tl.constexpr(ThreeInst.MUL)
+ADD = tl.constexpr(ThreeInst.ADD)
+MASK = tl.constexpr(ThreeInst.MASK)
+XOR = tl.constexpr(ThreeInst.XOR)
+_LCG_MASK_XOR = {"mul": ThreeInst.MUL, "add": ThreeInst.ADD, "mask": f"0x{ThreeInst.MASK:08X}",
+                 "xor": f"0x{ThreeInst.XOR:08X}"}
+_THREEINST_ASM = tl.constexpr("""{{
+        .reg .b32 a, b, lo, hi;
+        mad.lo.u32 a, $1, {mul}, {add};
+        mad.lo.u32 b, $2, {mul}, {add};
+        lop3.b32 a, a, {mask}, {xor}, 0x6A;
+        lop3.b32 b, b, {mask}, {xor}, 0x6A;
+        prmt.b32 lo, a, b, 0x5410;
+        prmt.b32 hi, a, b, 0x7632;
+        add.rn.f16x2 $0, lo, hi;
+        }}""".format(**_LCG_MASK_XOR))
 
 
 class CodecPath(enum.Enum):
@@ -36,11 +51,9 @@ class CodecPath(enum.Enum):
     PTX = "ptx"  # inline PTX (NVIDIA only)
 
 
-def default_codec_path(device: torch.device) -> CodecPath:
-    """PTX on NVIDIA GPUs; the pure-Triton codec elsewhere (and always under the interpreter)."""
-    if device.type == "cuda" and torch.version.cuda is not None and os.environ.get("TRITON_INTERPRET") != "1":
-        return CodecPath.PTX
-    return CodecPath.TRITON
+def codec_path(device: torch.device) -> CodecPath:
+    """PTX where the device allows it (common.ptx_enabled), the pure-Triton codec elsewhere."""
+    return CodecPath.PTX if ptx_enabled(device) else CodecPath.TRITON
 
 
 @triton.jit
@@ -77,8 +90,8 @@ def window16_ptx(w0, w1, off):
 @triton.jit
 def threeinst(state):
     """3INST value (fp16) of uint32 states in [0, 65535]."""
-    x = state.to(tl.uint32) * 89226354 + 64248484
-    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    x = state.to(tl.uint32) * MUL + ADD
+    x = (x & MASK) ^ XOR
     lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
     hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
     return lo + hi
@@ -93,16 +106,7 @@ def threeinst_ptx(state):
     is what the reference rounds to: see escha.format.codebooks.ThreeInst).
     """
     return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 a, b, lo, hi;
-        mad.lo.u32 a, $1, 89226354, 64248484;
-        mad.lo.u32 b, $2, 89226354, 64248484;
-        lop3.b32 a, a, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        lop3.b32 b, b, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        prmt.b32 lo, a, b, 0x5410;
-        prmt.b32 hi, a, b, 0x7632;
-        add.rn.f16x2 $0, lo, hi;
-        }""",
+        _THREEINST_ASM,
         "=r,r,r",
         [state.to(tl.uint32)],
         dtype=tl.float16, is_pure=True, pack=2)
@@ -116,78 +120,6 @@ def state_values(w0, w1, off, USE_PTX: tl.constexpr):
     else:
         v = threeinst(window16_u32(w0, w1, off))
     return v
-
-
-# ADD * (1 + 2**16) mod 2**32: the addend that lets pair_values_ptx derive the second state's
-# LCG value from the unshifted pair word (see there).
-ADD_PAIR = (ADD * 65537) % 2**32
-
-
-@triton.jit
-def pair_values(w0, w1, off):
-    """fp16 values of the windows at bits ``off`` and ``off + 16`` (off in 0..15) of (w0, w1).
-
-    Pure-Triton fallback and reference for ``pair_values_ptx``.
-    """
-    return (threeinst(window16_u32(w0, w1, off)), threeinst(window16_u32(w0, w1, off + 16)))
-
-
-@triton.jit
-def pair_values_ptx(w0, w1, off, HI_MUL: tl.constexpr = True):
-    """``pair_values`` as one asm block: 10 instructions for two weights (the unpaired path: 11).
-
-    One funnel shift t = {w0:w1} << off holds both states, s_a = t >> 16 and s_b = t & 0xFFFF.
-    Instead of extracting s_b (an integer-ALU op), its LCG value comes from two more mads, which
-    issue on the FMA pipe: t*MUL + ADD*(1 + 2**16) - (x_a << 16) = s_b*MUL + ADD (mod 2**32),
-    because t*MUL = s_a*MUL*2**16 + s_b*MUL and x_a*2**16 = s_a*MUL*2**16 + ADD*2**16.
-    HI_MUL takes s_a as mul.hi(t, 2**16) (IMAD.HI, FMA pipe) instead of shr (SHF, ALU pipe), which
-    balances the two pipes (docs/KERNELS.md census). Then lop3 (mask/xor) per state, two prmt and
-    one add.f16x2 as in ``threeinst_ptx``.
-    """
-    args = [w0.to(tl.uint32, bitcast=True), w1.to(tl.uint32, bitcast=True), off.to(tl.uint32)]
-    if HI_MUL:
-        va, vb = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, sa, xa, xb, lo, hi, v;
-            shf.l.clamp.b32 t, $3, $2, $4;
-            mul.hi.u32 sa, t, 65536;
-            mad.lo.u32 xa, sa, 89226354, 64248484;
-            mad.lo.u32 xb, t, 89226354, 1584945828;
-            mad.lo.u32 xb, xa, 0xFFFF0000, xb;
-            lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            prmt.b32 lo, xa, xb, 0x5410;
-            prmt.b32 hi, xa, xb, 0x7632;
-            add.rn.f16x2 v, lo, hi;
-            mov.b32 {$0, $1}, v;
-            }""",
-            "=h,=h,r,r,r", args, dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        va, vb = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, sa, xa, xb, lo, hi, v;
-            shf.l.clamp.b32 t, $3, $2, $4;
-            shr.u32 sa, t, 16;
-            mad.lo.u32 xa, sa, 89226354, 64248484;
-            mad.lo.u32 xb, t, 89226354, 1584945828;
-            mad.lo.u32 xb, xa, 0xFFFF0000, xb;
-            lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-            prmt.b32 lo, xa, xb, 0x5410;
-            prmt.b32 hi, xa, xb, 0x7632;
-            add.rn.f16x2 v, lo, hi;
-            mov.b32 {$0, $1}, v;
-            }""",
-            "=h,=h,r,r,r", args, dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    return va, vb
-
-
-class Ablation(enum.IntEnum):
-    """Measurement-only kernel variants that split the runtime (never a default: results are wrong)."""
-
-    NONE = 0
-    CODEC_ONLY = 1  # no weight loads: words are synthesized from their indices
-    LOADS_ONLY = 2  # no codec: each loaded word's low half is reinterpreted as the fp16 weight
 
 
 @triton.jit
@@ -204,6 +136,8 @@ def decode_block(tr_ptr, tn0, tk0, KT, BITS: tl.constexpr, BN: tl.constexpr, BKT
     ``tr_ptr`` points at int32 words laid out [Np/16, KT, 8*BITS]. The block is built in a 3-D
     shape [BN rows, BKT tiles, 16 columns] so that a row's words are loaded once per tile and
     broadcast over its 16 columns in registers, then flattened to [BN, 16*BKT].
+    ABLATION (benchmark only, escha.kernels._ablation; 0 in every real use) replaces the loads
+    (1) or the codec (2) to split the runtime.
     """
     W: tl.constexpr = 8 * BITS
     n = tl.arange(0, BN)[:, None, None]
@@ -248,106 +182,3 @@ def decode_block(tr_ptr, tn0, tk0, KT, BITS: tl.constexpr, BN: tl.constexpr, BKT
     else:
         v = state_values(w0, w1, off, USE_PTX)
     return tl.reshape(v, (BN, BKT * 16))
-
-
-@triton.jit
-def decode_block_pairs(tr_ptr, tn0, tk0, KT, BN: tl.constexpr, BKT: tl.constexpr, USE_PTX: tl.constexpr,
-                       ABLATION: tl.constexpr = 0, HI_MUL: tl.constexpr = True):
-    """``decode_block`` for K=2 with the columns of each 16-wide tile in pair order.
-
-    Position 2c + j of a tile holds column c + 8j (c in 0..7, j in 0..1): columns c and c + 8 of
-    row r are the high and low halves of one funnel-shifted word, so they are decoded together
-    (``pair_values``) and interleaved by tl.join, which keeps both in the same thread's registers.
-    A GEMM consuming this block must permute its k index the same way (``pair_order``).
-    HI_MUL selects the PTX variant (``pair_values_ptx``); the fallback ignores it.
-    """
-    n = tl.arange(0, BN)[:, None, None]
-    r = n % 16
-    t = tl.arange(0, BKT)[None, :, None]
-    c = tl.arange(0, 8)[None, None, :]
-    tile = ((tn0 + n // 16) * KT + (tk0 + t)) * 16  # [BN, BKT, 1] first word of each tile
-    i0 = tile + r
-    i1 = tile + (r + 1) % 16
-    if ABLATION == 1:
-        w0 = _synth_word(i0)
-        w1 = _synth_word(i1)
-    else:
-        w0 = tl.load(tr_ptr + i0)
-        w1 = tl.load(tr_ptr + i1)
-    off = c * 2
-    if ABLATION == 2:
-        va = (w0 + off).to(tl.int16).to(tl.float16, bitcast=True)
-        vb = (w1 + off).to(tl.int16).to(tl.float16, bitcast=True)
-    elif USE_PTX:
-        va, vb = pair_values_ptx(w0, w1, off, HI_MUL)
-    else:
-        va, vb = pair_values(w0, w1, off)
-    return tl.reshape(tl.join(va, vb), (BN, BKT * 16))
-
-
-@triton.jit
-def pair_order(p):
-    """Column of a tile-blocked k index held at position ``p`` of a ``decode_block_pairs`` block."""
-    q = p % 16
-    return p - q + q // 2 + 8 * (q % 2)
-
-
-# -- Rounding helpers ---------------------------------------------------------------------------
-# Float narrowing written out in integer arithmetic, round-to-nearest-even, so that every kernel
-# rounds identically on the GPU and under the CPU interpreter (whose own float downcasts do not
-# round to nearest-even). They cost a handful of integer ops per element and are used only in
-# prologues/epilogues, never in the codec loop.
-
-@triton.jit
-def _rint_small(q):
-    """Round-half-even of fp32 0 <= q < 2**22 to an integer (adding 2**23 leaves no fraction bits)."""
-    return ((q + 8388608.0) - 8388608.0).to(tl.uint32)
-
-
-@triton.jit
-def f32_to_bf16_rne(x):
-    """fp32 -> bf16, round to nearest even (NaN stays NaN, overflow gives Inf)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r = tl.where(nan, (u >> 16) | 0x40, r)
-    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def f32_to_f16_rne(x):
-    """fp32 -> fp16, round to nearest even, with subnormals, Inf on overflow and NaN kept."""
-    u = x.to(tl.uint32, bitcast=True)
-    a = u & 0x7FFFFFFF
-    sign = (u >> 16) & 0x8000
-    normal = tl.minimum((a + 0xFFF + ((a >> 13) & 1)) >> 13, 0x23C00) - 0x1C000  # 0x7C00 = Inf
-    sub = _rint_small(tl.abs(x) * 16777216.0)  # |x| < 2**-14: multiples of 2**-24
-    r = tl.where(a >= 0x38800000, normal, sub)
-    r = tl.where(a > 0x7F800000, 0x7E00, r)
-    return (r | sign).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def f32_to_e4m3_rne(x):
-    """fp32 -> fp8 e4m3 (fn), round to nearest even; inputs must satisfy |x| < 464 (no saturation)."""
-    u = x.to(tl.uint32, bitcast=True)
-    a = u & 0x7FFFFFFF
-    sign = (u >> 24) & 0x80
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)  # rebias 127 -> 7
-    sub = _rint_small(tl.abs(x) * 512.0)  # |x| < 2**-6: multiples of 2**-9
-    r = tl.where(a >= 0x3C800000, normal, sub)
-    return (r | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def round_to(x, DT: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in dtype DT (fp32, fp16, bf16 or fp8 e4m3)."""
-    if DT == tl.float16:
-        y = f32_to_f16_rne(x)
-    elif DT == tl.bfloat16:
-        y = f32_to_bf16_rne(x)
-    elif DT == tl.float8e4nv:
-        y = f32_to_e4m3_rne(x)
-    else:
-        y = x
-    return y

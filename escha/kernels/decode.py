@@ -27,27 +27,26 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
-from .codec import Ablation, CodecPath, decode_block, decode_block_pairs, default_codec_path, round_to
+from .codec import CodecPath, codec_path, decode_block
+from .common import INV_SQRT_HAD, check_codebook, check_operands, hadamard_pm1, round_to, row_scale_block
 from .splitk import decode_split_k
-from .transforms import hadamard_input, hadamard_output, hadamard_pm1, row_scale_block
+from .transforms import hadamard_input, hadamard_output
 
 MAX_DECODE_M = 64
 
 
 @triton.jit
-def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr,
+def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr,
                    M, N_out, Np, Kp, KT, NKB, stride_ym, STEPS: tl.constexpr,
                    BITS: tl.constexpr, BN: tl.constexpr, BKT: tl.constexpr, BM: tl.constexpr,
                    SPLIT: tl.constexpr, FUSE_OUTPUT: tl.constexpr, USE_PTX: tl.constexpr,
-                   ABLATION: tl.constexpr, PAIRED: tl.constexpr = False,
-                   HI_MUL: tl.constexpr = True):
+                   ABLATION: tl.constexpr):
     """Program (nb, s): z^T rows nb*BN.. over k-blocks s*STEPS .. s*STEPS + STEPS - 1.
 
     STEPS = ceil(NKB / SPLIT) is constexpr: the CPU interpreter (numpy >= 2.4) cannot loop to a
     runtime bound. Steps past the last k-block re-decode block NKB-1 against zeroed activations,
     which adds exact zeros (3INST values are finite); only the last slices ever do so.
-    PAIRED (K=2 only): the weight block comes in codec.decode_block_pairs' column order, and x'
-    was stored in the same order by the input transform (a k permutation leaves the dot unchanged).
+    ABLATION is 0 except in the benchmark's variants (escha.kernels._bench).
     """
     nb = tl.program_id(0)
     s = tl.program_id(1)
@@ -60,17 +59,14 @@ def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr,
     for i in range(STEPS):
         kb = s * STEPS + i
         kbc = tl.minimum(kb, NKB - 1)
-        if PAIRED:
-            w = decode_block_pairs(tr_ptr, nb * (BN // 16), kbc * BKT, KT, BN, BKT, USE_PTX, ABLATION, HI_MUL)
-        else:
-            w = decode_block(tr_ptr, nb * (BN // 16), kbc * BKT, KT, BITS, BN, BKT, USE_PTX, ABLATION)
+        w = decode_block(tr_ptr, nb * (BN // 16), kbc * BKT, KT, BITS, BN, BKT, USE_PTX, ABLATION)
         xb = tl.load(x_ptrs + kbc * BK, mask=x_mask & (kb < NKB), other=0.0)
         acc = tl.dot(w, xb, acc)
     n = nb * BN + tl.arange(0, BN)[:, None]
     if FUSE_OUTPUT:
         # BN == 128: this program holds whole Hadamard blocks of z^T, so Hn is one more product.
-        h = tl.dot(hadamard_pm1(BN, tl.float32), acc, input_precision="tf32x3") * 0.08838834764831845
-        rs = row_scale_block(c_ptr, su_ptr, g_ptr, n, n < N_out)
+        h = tl.dot(hadamard_pm1(BN, tl.float32), acc, input_precision="tf32x3") * INV_SQRT_HAD
+        rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
         inv = tl.load(inv_ptr + m[None, :], mask=x_mask, other=0.0)
         y = h * rs * inv
         tl.store(y_ptr + m[None, :] * stride_ym + n, round_to(y, y_ptr.dtype.element_ty),
@@ -81,72 +77,56 @@ def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr,
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the decode GEMM (see decode_config for how each is chosen)."""
+    """Launch parameters of the decode GEMM; ``decode_config`` is the rule that picks them."""
 
-    block_n: int = 128  # weight rows per program (multiple of 16, divides 128 or is 128)
-    block_kt: int = 8  # 16-wide k-tiles decoded per loop step (BLOCK_K = 16 * block_kt)
-    block_m: int = 16  # token columns of the MMA (>= 16, power of two, >= M)
-    split: int = 1  # k-slices (deterministic fp32 workspace reduce when > 1)
-    num_warps: int = 4
-    num_stages: int = 2
-    codec: CodecPath = CodecPath.TRITON
-    ablation: Ablation = Ablation.NONE  # benchmark-only
-    fuse_output: bool = True  # output transform in the GEMM epilogue when split == 1 and block_n == 128
-    pair_columns: bool = True  # K=2: decode columns c and c+8 from one funnel shift (codec.decode_block_pairs)
-    pair_hi_mul: bool = True  # paired PTX: first state by IMAD.HI (FMA pipe) instead of SHF (ALU pipe)
+    block_n: int  # weight rows per program (multiple of 16, divides 128 or is 128)
+    block_kt: int  # 16-wide k-tiles decoded per loop step (BLOCK_K = 16 * block_kt)
+    block_m: int  # token columns of the MMA (>= 16, power of two, >= M)
+    split: int  # k-slices (deterministic fp32 workspace reduce when > 1)
+    num_warps: int
+    num_stages: int
+    codec: CodecPath
+    fuse_output: bool  # output transform in the GEMM epilogue when split == 1 and block_n == 128
 
 
 def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeConfig:
-    """The rule that picks the decode configuration for ``qw`` at ``m`` tokens.
+    """The rule that picks the decode configuration for ``qw`` at ``m`` tokens on ``device``.
 
     * block_m: the next power of two >= m, at least 16 (tl.dot's smallest N).
     * block_n = 64, num_stages = 1, num_warps = 4, block_kt = 8 (BLOCK_K = 128): the H200 sweep
       (note at the end of this module). With block_n = 64 the output transform runs as its own
       kernel; fusing it (block_n = 128) measured no faster.
     * split: splitk.decode_split_k(nblk, ktiles), fitted on the H200.
-    * codec: PTX on NVIDIA GPUs, pure Triton elsewhere (the interpreter).
-    * pair_columns = False: the paired codec (docs/KERNELS.md "Column pairs") cuts the loop's
-      integer ops by 10% offline, but measured slower on the H200 (gate_up M=1: 68.5 us paired
-      with IMAD.HI, 66.1 us paired with shifts, 56.1 us unpaired; benchmarks/results/decode_h200_pairs.txt).
+    * codec: PTX on NVIDIA GPUs, pure Triton elsewhere (codec.codec_path).
     """
     if not 1 <= m <= MAX_DECODE_M:
         raise ValueError(f"decode handles 1..{MAX_DECODE_M} tokens, got {m}")
-    device = device or qw.device
     np_, kp = qw.padded_shape
-    block_n = 64
     split = decode_split_k(np_ // 128, kp // TILE)  # the rule was fitted in units of 128-row blocks
-    return DecodeConfig(block_n=block_n, block_kt=8, block_m=max(16, triton.next_power_of_2(m)), split=split,
-                        num_warps=4, num_stages=1, codec=default_codec_path(device), fuse_output=split == 1,
-                        pair_columns=False, pair_hi_mul=True)
+    return DecodeConfig(block_n=64, block_kt=8, block_m=max(16, triton.next_power_of_2(m)), split=split,
+                        num_warps=4, num_stages=1, codec=codec_path(device or qw.device),
+                        fuse_output=split == 1)
 
 
-def decode_matmul(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeConfig | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T for 1..64 tokens (leading dims flattened), in x's dtype.
 
     x may be fp16, bf16 or fp32, any strides, on qw's device. ``config`` overrides decode_config.
     ``out``, if given, is a preallocated [M, out_features] tensor of x's dtype with unit column
     stride (M = tokens after flattening); it is filled and returned reshaped like x.
     """
-    return _decode_impl(x, qw, config, out)[0]
+    return _launch(x, qw, config, out)[0]
 
 
-def decode_kernel_handle(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None = None):
-    """Run the decode GEMM once and return the compiled GEMM kernel (for SASS/register reports)."""
-    return _decode_impl(x, qw, config, None)[1]
+def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None, out: torch.Tensor | None,
+           ablation: int = 0) -> tuple[torch.Tensor, object]:
+    """Check, allocate and launch ``decode``; returns (y, the compiled GEMM kernel).
 
-
-def _decode_impl(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None,
-                 out: torch.Tensor | None):
-    """Check, allocate, launch; returns (y, compiled GEMM kernel)."""
-    if not isinstance(qw, QuantizedWeight):
-        raise TypeError(f"qw must be a QuantizedWeight, got {type(qw).__name__}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
-    if x.shape[-1] != qw.in_features:
-        raise ValueError(f"x has inner dimension {x.shape[-1]}, the weight expects {qw.in_features}")
-    if qw.codebook_id != 0:
-        raise ValueError(f"the decode kernel implements the 3INST codebook only, got {qw.codebook.name}")
+    ``ablation`` selects a measurement-only variant (escha.kernels._bench); 0 is the real kernel.
+    """
+    check_operands(x, qw, "decode")
+    check_codebook(qw, "decode")
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_config(qw, m, x.device)
@@ -160,8 +140,7 @@ def _decode_impl(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | No
     nkb = kp // TILE // cfg.block_kt
     split = max(1, min(cfg.split, nkb))
     fuse = cfg.fuse_output and split == 1 and cfg.block_n == HAD_BLOCK
-    paired = cfg.pair_columns and qw.bits == 2
-    xq, inv = hadamard_input(x2d, qw, pair_order=paired)
+    xq, inv = hadamard_input(x2d, qw)
     if out is None:
         y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
     else:
@@ -172,11 +151,11 @@ def _decode_impl(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | No
     ws = y if fuse else torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
     grid = (np_ // cfg.block_n, split)
     kernel = _decode_kernel[grid](xq, qw.trellis, ws, y, qw.scale, qw.su, qw.gscale, inv,
-                         m, qw.out_features, np_, kp, kp // TILE, nkb, y.stride(0), STEPS=triton.cdiv(nkb, split),
-                         BITS=qw.bits, BN=cfg.block_n, BKT=cfg.block_kt, BM=cfg.block_m, SPLIT=split,
-                         FUSE_OUTPUT=fuse, USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=int(cfg.ablation),
-                         PAIRED=paired, HI_MUL=cfg.pair_hi_mul,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                  m, qw.out_features, np_, kp, kp // TILE, nkb, y.stride(0),
+                                  STEPS=triton.cdiv(nkb, split), BITS=qw.bits, BN=cfg.block_n,
+                                  BKT=cfg.block_kt, BM=cfg.block_m, SPLIT=split, FUSE_OUTPUT=fuse,
+                                  USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=ablation,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fuse:
         hadamard_output(ws, qw, inv, y)
     return y.reshape(*x.shape[:-1], qw.out_features), kernel
@@ -195,6 +174,3 @@ def _decode_impl(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | No
 # block_n=64 halves the per-program register tile and doubles programs at the same split.
 # Fusing the output transform (block_n=128, split=1) measured no faster than the separate kernel.
 # Split: splitk.decode_split_k, fitted on 18 measured points (benchmarks/fit_splitk.py).
-# pair_columns / pair_hi_mul: chosen from the sm_90 SASS census only (loop issue 528 -> 378 cycles
-# per warp and step at block_n 64, M=8; docs/KERNELS.md "Column pairs"); the benchmark times the
-# "unpaired" and "pair_shr" arms next to the default so the faster one can be set here.

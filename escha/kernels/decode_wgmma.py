@@ -31,6 +31,7 @@ reproducible.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
+from .common import check_codebook, check_operands, interpreted
 from .transforms import hadamard_input, hadamard_output
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
@@ -98,6 +100,28 @@ def pack_words(qw: QuantizedWeight) -> torch.Tensor:
     v = v.reshape(tn // 8, 2, 4, tk // 8, 4, 2, 2, 8, 2)  # nb, f, w, kb, t, h, mh, g, j
     v = v.permute(0, 3, 1, 2, 6, 7, 4, 5, 8)  # nb, kb, f, w, mh, g, t, h, j
     return v.reshape(tn // 8, tk // 8, 2, FRAGMENT_WORDS).contiguous()
+
+
+_PACKED: dict[int, torch.Tensor] = {}
+
+
+def packed_words(qw: QuantizedWeight) -> torch.Tensor:
+    """``pack_words(qw)``, computed on the first call for a weight and kept while its trellis
+    tensor lives (one repack at load; call once before capturing a CUDA graph)."""
+    key = id(qw.trellis)
+    words = _PACKED.get(key)
+    if words is None:
+        words = pack_words(qw)
+        _PACKED[key] = words
+        weakref.finalize(qw.trellis, _PACKED.pop, key, None)
+    return words
+
+
+def runs_on(device: torch.device, bits: int) -> bool:
+    """Whether this kernel can run for a K=bits weight on ``device``: a Hopper GPU (sm_90; wgmma),
+    compiled Triton (Gluon has no interpreter), K in SUPPORTED_BITS."""
+    return (device.type == "cuda" and not interpreted() and bits in SUPPORTED_BITS
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def mma_column_order(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -345,32 +369,37 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
-                 words: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU, in x's dtype.
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU (any number of tokens), in x's dtype.
 
-    ``words`` is ``pack_words(qw)`` (computed here when not given; callers that multiply the
-    same weight repeatedly keep it).
+    x may be fp16, bf16 or fp32, any strides. The weight's words are repacked on the first call
+    (``packed_words``). ``out``, if given, is a preallocated [M, out_features] tensor of x's
+    dtype with unit column stride.
     """
-    if qw.bits not in SUPPORTED_BITS or qw.codebook_id != 0:
-        raise ValueError(f"the register-operand decode handles 3INST at K in {SUPPORTED_BITS}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
-    if x.shape[-1] != qw.in_features:
-        raise ValueError(f"x has inner dimension {x.shape[-1]}, the weight expects {qw.in_features}")
+    check_operands(x, qw, "decode_wgmma")
+    check_codebook(qw, "decode_wgmma")
+    if not runs_on(x.device, qw.bits):
+        raise ValueError(f"decode_wgmma runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
+                         f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_wgmma_config(qw, m, x.device)
     np_, kp = qw.padded_shape
     nkb = kp // BLOCK_K
-    if words is None:
-        words = pack_words(qw)
+    words = packed_words(qw)
     xq, inv = hadamard_input(x2d, qw, mma_order=True)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
     split = triton.cdiv(nkb, kb_per)
     ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
-    y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
+    else:
+        if out.shape != (m, qw.out_features) or out.dtype != x.dtype or out.stride(1) != 1:
+            raise ValueError(f"out must be {x.dtype} [{m}, {qw.out_features}] with unit column stride, "
+                             f"got {out.dtype} {list(out.shape)} stride {out.stride()}")
+        y = out
     grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
     _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
                                STAGES=cfg.stages, FRAGS=cfg.fragments, num_warps=4)

@@ -17,31 +17,24 @@ Qwen3-14B at TP=2: gate_up 17408x5120 -> 89.1 MB fp8 / 178.3 MB bf16; down 5120x
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..format.spec import HAD_BLOCK, TILE, words_per_tile
-from .actquant import (FP8_DTYPE, _WORKSPACE, actquant, dot_dtype, hadamard_pm1, interpreted,  # noqa: F401
-                       to_bf16, to_e4m3, workspace)
-from .codec import decode_block
-
-# |Hn_pm1 T| <= 128 * 4 = 512, so halving it keeps every value inside e4m3's 448 with no
-# saturation for any trellis bits; typical values (~sqrt(128) * rms(T)) stay far above the
-# smallest normal 2**-6. A power of two, so the scaling itself is exact.
-W_FP8_SCALE = 0.5
-HAD_NORM = 1.0 / math.sqrt(HAD_BLOCK)
+from ..format.qweight import QuantizedWeight
+from ..format.spec import HAD_BLOCK, TILE
+from .actquant import actquant
+from .codec import CodecPath, codec_path, decode_block
+from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
+                     hadamard_pm1, round_to, row_scale_block, workspace)
 
 
 @triton.jit
-def dequant_hn_kernel(tr_ptr, su_ptr, cscale_ptr, gscale_ptr, w_ptr, wscale_ptr, stride_w,
-                      KT: tl.constexpr, KBITS: tl.constexpr, BK: tl.constexpr, K_PER_PROG: tl.constexpr,
-                      OUT_FP8: tl.constexpr, W_SCALE: tl.constexpr, NORM: tl.constexpr,
-                      ROUND_FIRST: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      USE_PTX: tl.constexpr):
+def dequant_hn_kernel(tr_ptr, su_ptr, scale_ptr, gscale_ptr, w_ptr, wscale_ptr, stride_w, Np,
+                      KT: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr, K_PER_PROG: tl.constexpr,
+                      OUT_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PTX: tl.constexpr):
     """Rows [pid_n*128, +128) and k blocks [pid_k*K_PER_PROG, +K_PER_PROG) of the scratch (the
     launcher picks K_PER_PROG dividing Kp/BK, so every block is in bounds)."""
     BN: tl.constexpr = 128
@@ -49,36 +42,42 @@ def dequant_hn_kernel(tr_ptr, su_ptr, cscale_ptr, gscale_ptr, w_ptr, wscale_ptr,
     pid_k = tl.program_id(1)
     h = hadamard_pm1(BN, DOT_DTYPE)  # built once per program, reused over K_PER_PROG blocks
     rows = pid_n * BN + tl.arange(0, BN)
-    r = (tl.load(cscale_ptr + rows).to(tl.float32) * tl.load(su_ptr + rows).to(tl.float32)
-         * tl.load(gscale_ptr) * NORM)
+    r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, rows, rows < Np) * INV_SQRT_HAD
     if OUT_FP8:
         if pid_k == 0:
-            tl.store(wscale_ptr + rows, r / W_SCALE)
+            tl.store(wscale_ptr + rows, r / HN_FP8_SCALE)
     row_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + tl.arange(0, BK)[None, :]
     for i in range(K_PER_PROG):
         kb = pid_k * K_PER_PROG + i
         # Row-broadcast decode: each tile row's words are loaded once and expanded over its 16
         # columns in registers (codec.decode_block), not gathered per weight.
-        t = decode_block(tr_ptr, pid_n * (BN // 16), kb * (BK // 16), KT, KBITS, BN, BK // 16, USE_PTX)
+        t = decode_block(tr_ptr, pid_n * (BN // 16), kb * (BK // 16), KT, BITS, BN, BK // 16, USE_PTX)
         # fp16 operands (exact: +-1 and 3INST values), fp32 accumulation: every partial sum is a
         # multiple of 2**-13 below 2**10, so the product is exact and independent of its order.
         v = tl.dot(h, t.to(DOT_DTYPE))
         ptrs = row_ptrs + kb * BK
         if OUT_FP8:
-            tl.store(ptrs, to_e4m3(v * W_SCALE, ROUND_FIRST))
+            tl.store(ptrs, round_to(v * HN_FP8_SCALE, tl.float8e4nv))
         else:
-            tl.store(ptrs, to_bf16(v * r[:, None], ROUND_FIRST))
+            tl.store(ptrs, round_to(v * r[:, None], tl.bfloat16))
 
 
 @dataclass(frozen=True)
-class DequantConfig:
-    """k blocks of BK per program (at most; the launcher takes the largest divisor of Kp/BK not
-    above it), warps and software-pipeline depth."""
+class DequantOnceConfig:
+    """Launch parameters of the dequant+Hn kernel; ``dequant_once_config`` is the rule."""
 
-    k_per_prog: int = 8
-    block_k: int = 64
-    num_warps: int = 4  # 4 beat 8 on the H200: gate_up 97 vs 117 us, down 54 vs 64 us (prefill_h200_v2.log)
-    num_stages: int = 2
+    k_per_prog: int  # k blocks per program, at most (the launcher takes the largest divisor of Kp/BK)
+    block_k: int
+    num_warps: int
+    num_stages: int
+    codec: CodecPath
+
+
+def dequant_once_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DequantOnceConfig:
+    """The rule (measurements in the note at the end of this file): BK = 64, up to 8 k blocks a
+    program, 4 warps, 2 stages, the device's codec path. M does not change the choice."""
+    return DequantOnceConfig(k_per_prog=8, block_k=64, num_warps=4, num_stages=2,
+                             codec=codec_path(device or qw.device))
 
 
 def k_per_prog_for(kb_total: int, want: int) -> int:
@@ -91,30 +90,26 @@ def workspace_bytes(np_: int, kp: int, fp8: bool = True) -> int:
     return np_ * kp + 4 * np_ if fp8 else 2 * np_ * kp
 
 
-def dequant_hn(trellis: torch.Tensor, su: torch.Tensor, cscale: torch.Tensor, gscale: torch.Tensor,
-               bits: int, fp8: bool = True, config: DequantConfig | None = None
+def dequant_hn(qw: QuantizedWeight, *, fp8: bool = True, config: DequantOnceConfig | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fill the workspace with the dense weight: (e4m3 [Np, Kp], scales [Np]) or (bf16 [Np, Kp], None).
 
     fp8: true weight (in the x' domain) = w[n].float() * scale[n]. bf16: already scaled by r.
     The returned tensors are the shared workspace: valid until the next call with the same key.
+    ``config`` overrides ``dequant_once_config``.
     """
-    tn, kt, nw = trellis.shape
-    if nw != words_per_tile(bits):
-        raise ValueError(f"trellis has {nw} words per tile, K={bits} needs {words_per_tile(bits)}")
-    cfg = config or DequantConfig()
-    np_, kp = tn * TILE, kt * TILE
-    dev = trellis.device
+    check_codebook(qw, "dequant_hn")
+    cfg = config or dequant_once_config(qw, 1)  # any M: the rule does not depend on it
+    np_, kp = qw.padded_shape
+    dev = qw.device
     w = workspace(dev, FP8_DTYPE if fp8 else torch.bfloat16, (np_, kp))
     ws = workspace(dev, torch.float32, (np_,)) if fp8 else None
     kb_total = kp // cfg.block_k
     kpp = k_per_prog_for(kb_total, cfg.k_per_prog)
     grid = (np_ // HAD_BLOCK, kb_total // kpp)
-    dequant_hn_kernel[grid](trellis, su, cscale, gscale, w, ws if fp8 else w, w.stride(0),
-                            KT=kt, KBITS=bits, BK=cfg.block_k, K_PER_PROG=kpp,
-                            OUT_FP8=fp8, W_SCALE=W_FP8_SCALE, NORM=HAD_NORM, ROUND_FIRST=interpreted(),
-                            USE_PTX=trellis.device.type == "cuda" and not interpreted(),
-                            DOT_DTYPE=dot_dtype(torch.float16),
+    dequant_hn_kernel[grid](qw.trellis, qw.su, qw.scale, qw.gscale, w, ws if fp8 else w, w.stride(0), np_,
+                            KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8,
+                            DOT_DTYPE=dot_dtype(torch.float16), USE_PTX=cfg.codec == CodecPath.PTX,
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return w, ws
 
@@ -132,21 +127,38 @@ def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,
     return ((a.float() @ b_t.float()) * scale_a[:, None] * scale_b[None, :]).to(torch.bfloat16)
 
 
-def dequant_once_matmul(x2d: torch.Tensor, trellis: torch.Tensor, su: torch.Tensor,
-                        sv: torch.Tensor, cscale: torch.Tensor, gscale: torch.Tensor,
-                        out_features: int, bits: int, fp8: bool = True) -> torch.Tensor:
-    """y [M, out_features] in x2d's dtype through the dense scratch (fp8 or bf16 GEMM)."""
-    w, ws = dequant_hn(trellis, su, cscale, gscale, bits, fp8=fp8)
+def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantOnceConfig | None,
+                  op: str) -> torch.Tensor:
+    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype."""
+    check_operands(x, qw, op)
+    x2d = x.reshape(-1, x.shape[-1])
+    cfg = config or dequant_once_config(qw, x2d.shape[0], x.device)
+    w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
     if fp8:
-        xq, sx = actquant(x2d, sv, fp8=True)
-        y = scaled_mm_rowwise(xq, w.t(), sx, ws)
+        xq, xscale = actquant(x2d, qw)
+        y = scaled_mm_rowwise(xq, w.t(), xscale, ws)
     else:
-        xb, _ = actquant(x2d, sv, fp8=False)
+        xb, _ = actquant(x2d, qw, fp8=False)
         y = xb @ w.t()
-    if y.shape[1] != out_features:
-        y = y[:, :out_features]
+    if y.shape[1] != qw.out_features:
+        y = y[:, :qw.out_features]
     # A fresh tensor in x's dtype (the scratch is never returned): .to copies when needed.
-    return y.to(x2d.dtype).contiguous() if y.dtype != x2d.dtype or not y.is_contiguous() else y
+    y = y.to(x.dtype).contiguous() if y.dtype != x.dtype or not y.is_contiguous() else y
+    return y.reshape(*x.shape[:-1], qw.out_features)
+
+
+def dequant_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceConfig | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T in x's dtype: the weight dequantized once to an e4m3
+    scratch (with Hn applied), then one fp8 GEMM with row-wise scales. ``config`` overrides
+    ``dequant_once_config``."""
+    return _dequant_once(x, qw, True, config, "dequant_fp8")
+
+
+def dequant_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceConfig | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T in x's dtype: the weight dequantized once to a bf16
+    scratch (r * Hn T), then one bf16 GEMM (the accuracy-first path). ``config`` overrides
+    ``dequant_once_config``."""
+    return _dequant_once(x, qw, False, config, "dequant_bf16")
 
 # Configuration note. The kernel decodes each weight once, adds a 128x128xBK fp16 product per
 # block (256 flops a weight) and writes one byte (fp8) or two (bf16) per weight. The decode is

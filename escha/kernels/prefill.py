@@ -12,40 +12,39 @@ r = g*c*su and 1/(64*sqrt(128)), and stores y in the output dtype, cropped to th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..format.spec import HAD_BLOCK, TILE, words_per_tile
-from .actquant import dot_dtype, hadamard_pm1, interpreted, to_bf16, to_e4m3
-from .codec import state_values
+from ..format.qweight import QuantizedWeight
+from ..format.spec import HAD_BLOCK, TILE
+from .actquant import actquant
+from .codec import CodecPath, codec_path, state_values
+from .common import (ACTIVATION_DTYPES, CORE_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands,
+                     dot_dtype, hadamard_pm1, round_to, row_scale_block)
 
-# Power-of-two factor applied to T before the e4m3 cast: exact, and it moves |T| < 4 up to
-# |64 T| < 256 <= 448 so that small weights land in the normal range (min normal 2**-6).
-W_FP8_SCALE = 64.0
 BLOCK_N = HAD_BLOCK  # the epilogue transforms whole Hadamard blocks
 BLOCK_K = 64  # one k step: 4 trellis tiles (128 spilled: see the note at the end)
 
 
 @triton.jit
-def trellis_offsets(tn0, tk0, KT, BN: tl.constexpr, BK: tl.constexpr, KBITS: tl.constexpr):
+def trellis_offsets(tn0, tk0, KT, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):
     """Word offsets (w0, w1) and bit offsets of each weight of the [BN, BK] block at tile (tn0, tk0).
 
     Weight (n, k) is weight j = 16*(n%16) + k%16 of tile (n//16, k//16); its state is the 16-bit
-    window at stream bit KBITS*j of that tile's cyclic stream, i.e. at bit (KBITS*j) % 32 of word
-    (KBITS*j) // 32, running on into the next word (cyclically). Everything is a sum of a row
+    window at stream bit BITS*j of that tile's cyclic stream, i.e. at bit (BITS*j) % 32 of word
+    (BITS*j) // 32, running on into the next word (cyclically). Everything is a sum of a row
     vector and a column vector, so callers recompute it per block from two small vectors instead
     of keeping three [BN, BK] tensors live across the loop (that cost 192 registers a thread and
     spilled, measured with ptxas at BM=128).
     """
-    W: tl.constexpr = 8 * KBITS
+    W: tl.constexpr = 8 * BITS
     n = tl.arange(0, BN)
     k = tl.arange(0, BK)
-    row_bit = (KBITS * 16) * (n % 16)
-    col_bit = KBITS * (k % 16)
+    row_bit = (BITS * 16) * (n % 16)
+    col_bit = BITS * (k % 16)
     row_tile = (tn0 + n // 16) * (KT * W)
     col_tile = (tk0 + k // 16) * W
     bit = row_bit[:, None] + col_bit[None, :]
@@ -55,13 +54,12 @@ def trellis_offsets(tn0, tk0, KT, BN: tl.constexpr, BK: tl.constexpr, KBITS: tl.
 
 
 @triton.jit
-def prefill_kernel(xq_ptr, sx_ptr, tr_ptr, su_ptr, cscale_ptr, gscale_ptr, y_ptr,
+def prefill_kernel(xq_ptr, xscale_ptr, tr_ptr, su_ptr, scale_ptr, gscale_ptr, y_ptr,
                    M, N, stride_xm, stride_ym,
-                   Kp: tl.constexpr, KT: tl.constexpr, KBITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   W_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, EPI_DTYPE: tl.constexpr,
-                   ROUND_FIRST: tl.constexpr, OUT_BF16: tl.constexpr,
-                   USE_PTX: tl.constexpr):
-    """y[pid_m*BM.., pid_n*BN..] for fp8 xq [M, Kp] with scales sx [M] and trellis words [Np/16, KT, 8K]."""
+                   Kp: tl.constexpr, KT: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, EPI_DTYPE: tl.constexpr, USE_PTX: tl.constexpr):
+    """y[pid_m*BM.., pid_n*BN..] for fp8 xq [M, Kp] with scales xscale [M] and trellis words
+    [Np/16, KT, 8K]."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     # m fastest: the programs resident at one time share a weight column block (decoded
@@ -74,11 +72,11 @@ def prefill_kernel(xq_ptr, sx_ptr, tr_ptr, su_ptr, cscale_ptr, gscale_ptr, y_ptr
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kk in range(0, Kp // BK):
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        o0, o1, off = trellis_offsets(pid_n * (BN // 16), kk * (BK // 16), KT, BN, BK, KBITS)
+        o0, o1, off = trellis_offsets(pid_n * (BN // 16), kk * (BK // 16), KT, BN, BK, BITS)
         w0 = tl.load(tr_ptr + o0)
         w1 = tl.load(tr_ptr + o1)
         t = state_values(w0, w1, off, USE_PTX)
-        w8 = to_e4m3(t * W_SCALE, ROUND_FIRST)
+        w8 = round_to(t * CORE_FP8_SCALE, tl.float8e4nv)
         acc = tl.dot(a, tl.trans(w8), acc)
         a_ptrs += BK
     # Output Hadamard: acc @ H (H symmetric, +-1 exact in bf16). bf16 keeps fp32's range, so no
@@ -86,68 +84,70 @@ def prefill_kernel(xq_ptr, sx_ptr, tr_ptr, su_ptr, cscale_ptr, gscale_ptr, y_ptr
     h = hadamard_pm1(BN, EPI_DTYPE)
     z = tl.dot(acc.to(EPI_DTYPE), h)
     cols = pid_n * BN + tl.arange(0, BN)
-    r = (tl.load(cscale_ptr + cols).to(tl.float32) * tl.load(su_ptr + cols).to(tl.float32)
-         * tl.load(gscale_ptr) * OUT_SCALE)
-    sx = tl.load(sx_ptr + rows, mask=row_ok, other=0.0)
-    y = z * sx[:, None] * r[None, :]
+    r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N) * (INV_SQRT_HAD / CORE_FP8_SCALE)
+    xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
+    y = z * xs[:, None] * r[None, :]
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-    if OUT_BF16:
-        y = to_bf16(y, ROUND_FIRST)
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
+    tl.store(y_ptrs, round_to(y, y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch shape of the fused kernel: rows per program, warps, software-pipeline depth."""
+    """Launch parameters of the fused kernel; ``prefill_config`` is the rule that picks them."""
 
-    block_m: int = 128
-    num_warps: int = 8
+    block_m: int  # rows of y per program: each program decodes its weight slab once per row block
+    num_warps: int
     # 1: no software pipelining. With 2+ stages Triton's pipeliner stages the loop's [128, 128]
     # int32 word gathers in shared memory (64 KB per load per stage): 320 KB at 3 stages, over
     # the H200's 227 KB, measured as an OutOfResources launch failure.
-    num_stages: int = 1
+    num_stages: int
+    codec: CodecPath
 
 
-# Configurations by M (see the note at the end of this file for the measurements behind them).
-SMALL_M_CONFIG = PrefillConfig(block_m=64, num_warps=4, num_stages=1)
-LARGE_M_CONFIG = PrefillConfig(block_m=256, num_warps=8, num_stages=1)
 LARGE_M_MIN = 128  # from this M on, a 256-row block has at most half its rows padding
 
 
-def prefill_config(m: int) -> PrefillConfig:
-    """The configuration used for M rows when none is given."""
-    return LARGE_M_CONFIG if m >= LARGE_M_MIN else SMALL_M_CONFIG
+def prefill_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> PrefillConfig:
+    """The rule (measurements in the note at the end of this file): 64-row blocks at 4 warps below
+    M = 128, 256-row blocks at 8 warps from there; one stage; the device's codec path."""
+    codec = codec_path(device or qw.device)
+    if m >= LARGE_M_MIN:
+        return PrefillConfig(block_m=256, num_warps=8, num_stages=1, codec=codec)
+    return PrefillConfig(block_m=64, num_warps=4, num_stages=1, codec=codec)
 
 
-def prefill_matmul_q(xq: torch.Tensor, sx: torch.Tensor, trellis: torch.Tensor, su: torch.Tensor,
-                     cscale: torch.Tensor, gscale: torch.Tensor, out_features: int, bits: int,
-                     out_dtype: torch.dtype, config: PrefillConfig | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, out_features] from already-quantized activations (actquant) and the weight's tensors."""
-    m, kp = xq.shape
-    tn, kt, nw = trellis.shape
-    if xq.dtype != torch.float8_e4m3fn or sx.shape != (m,) or sx.dtype != torch.float32:
-        raise ValueError("xq must be float8_e4m3fn [M, Kp] with float32 scales [M]")
-    if kt * TILE != kp or nw != words_per_tile(bits) or tn * TILE < out_features:
-        raise ValueError(f"trellis {tuple(trellis.shape)} does not match Kp={kp}, K={bits}, "
-                         f"out={out_features}")
-    cfg = config or prefill_config(m)
-    y = out if out is not None else torch.empty((m, out_features), device=xq.device, dtype=out_dtype)
-    if m == 0:
-        return y
-    np_ = tn * TILE
-    grid = (triton.cdiv(m, cfg.block_m) * (np_ // BLOCK_N),)
-    # Kp and KT are compile-time constants: constant loop bounds and folded tile strides, one
-    # specialization per weight width.
-    prefill_kernel[grid](xq, sx, trellis, su, cscale, gscale, y, m, out_features,
-                         xq.stride(0), y.stride(0), Kp=kp, KT=kt, KBITS=bits, BM=cfg.block_m, BN=BLOCK_N,
-                         BK=BLOCK_K, W_SCALE=W_FP8_SCALE,
-                         OUT_SCALE=1.0 / (W_FP8_SCALE * math.sqrt(HAD_BLOCK)),
-                         EPI_DTYPE=dot_dtype(torch.bfloat16), ROUND_FIRST=interpreted(),
-                         OUT_BF16=y.dtype == torch.bfloat16,
-                         USE_PTX=xq.device.type == "cuda" and not interpreted(),
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y
+def prefill(x: torch.Tensor, qw: QuantizedWeight, *, config: PrefillConfig | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T through the fused fp8 kernel, in x's dtype.
+
+    The activations are transformed and quantized to e4m3 first (``actquant``). ``config``
+    overrides ``prefill_config``. ``out``, if given, is a preallocated [M, out_features] fp16,
+    bf16 or fp32 tensor with unit column stride; y is written there in its dtype and returned.
+    """
+    check_operands(x, qw, "prefill")
+    check_codebook(qw, "prefill")
+    x2d = x.reshape(-1, x.shape[-1])
+    m = x2d.shape[0]
+    cfg = config or prefill_config(qw, m, x.device)
+    if out is None:
+        y = torch.empty((m, qw.out_features), device=x.device, dtype=x.dtype)
+    elif out.shape != (m, qw.out_features) or out.dtype not in ACTIVATION_DTYPES or out.stride(1) != 1:
+        raise ValueError(f"out must be fp16/bf16/fp32 [{m}, {qw.out_features}] with unit column stride, "
+                         f"got {out.dtype} {list(out.shape)} stride {out.stride()}")
+    else:
+        y = out
+    if m:
+        xq, xscale = actquant(x2d, qw)
+        np_, kp = qw.padded_shape
+        grid = (triton.cdiv(m, cfg.block_m) * (np_ // BLOCK_N),)
+        # Kp and KT are compile-time constants: constant loop bounds and folded tile strides, one
+        # specialization per weight width.
+        prefill_kernel[grid](xq, xscale, qw.trellis, qw.su, qw.scale, qw.gscale, y, m, qw.out_features,
+                             xq.stride(0), y.stride(0), Kp=kp, KT=kp // TILE, BITS=qw.bits, BM=cfg.block_m,
+                             BN=BLOCK_N, BK=BLOCK_K, EPI_DTYPE=dot_dtype(torch.bfloat16),
+                             USE_PTX=cfg.codec == CodecPath.PTX,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.reshape(*x.shape[:-1], qw.out_features)
 
 # Configuration note. BN = 128 so a program holds whole Hadamard blocks for the fused epilogue.
 # Each program decodes its whole [BN, Kp] weight slab once per row block, so a weight is decoded

@@ -19,84 +19,16 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .codec import round_to
-
-INV_SQRT_BLOCK = 0.08838834764831845  # 1/sqrt(128)
-_TORCH_DTYPE = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """Operand dtype of the input transform's product for activations of ``dtype``: the dtype
-    itself on the GPU (fp32 under the interpreter, whose fp16/bf16 dots are unreliable)."""
-    if type(_input_transform_kernel).__name__ == "InterpretedFunction":
-        return tl.float32
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
-
-
-@triton.jit
-def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
-    """The unnormalized Sylvester matrix H[i, j] = (-1)**popcount(i & j), [BLOCK, BLOCK] in ``dtype``.
-
-    Built from indices in registers, so no constant tensor is copied to the device (a host copy
-    is not allowed inside CUDA-graph capture). The parity fold covers BLOCK <= 128.
-    """
-    i = tl.arange(0, BLOCK)[:, None]
-    j = tl.arange(0, BLOCK)[None, :]
-    a = i & j
-    a = a ^ (a >> 4)
-    a = a ^ (a >> 2)
-    a = a ^ (a >> 1)
-    return (1 - 2 * (a & 1)).to(dtype)
-
-
-_HADAMARD: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-
-def hadamard_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The unnormalized [128, 128] Sylvester matrix (+-1, exact in any float dtype) on ``device``,
-    built once per (device, dtype) with device ops only, so a first call may even happen inside
-    CUDA-graph capture. Kernels load it instead of rebuilding it from indices per program
-    (about ten integer ops per entry, the largest cost of the small transform kernels)."""
-    key = (str(device), dtype)
-    h = _HADAMARD.get(key)
-    if h is None:
-        i = torch.arange(HAD_BLOCK, device=device, dtype=torch.int32)
-        a = i[:, None] & i[None, :]
-        for s in (4, 2, 1):
-            a = a ^ (a >> s)
-        h = (1 - 2 * (a & 1)).to(dtype).contiguous()
-        _HADAMARD[key] = h
-    return h
-
-
-@triton.jit
-def load_hadamard(h_ptr):
-    """The [128, 128] matrix of ``hadamard_matrix`` from global memory (an L2 hit after the first
-    program)."""
-    i = tl.arange(0, 128)[:, None]
-    j = tl.arange(0, 128)[None, :]
-    return tl.load(h_ptr + i * 128 + j)
-
-
-@triton.jit
-def row_scale_block(rs_c_ptr, su_ptr, g_ptr, n, mask):
-    """g*c*su for output channels n, in fp32, multiplied in escha.format.row_scale's order."""
-    g = tl.load(g_ptr)
-    c = tl.load(rs_c_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    su = tl.load(su_ptr + n, mask=mask, other=0).to(tl.float32)
-    return g * c * su
+from .common import INV_SQRT_HAD, SQRT_HAD, dot_dtype, hadamard_operand, load_hadamard, round_to, row_scale_block
 
 
 @triton.jit
 def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, PAIR_ORDER: tl.constexpr = False,
-                            MMA_ORDER: tl.constexpr = False):
+                            DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
-    PAIR_ORDER stores column 16t + c + 8j at position 16t + 2c + j (codec.decode_block_pairs'
-    order), so that the decode GEMM reads its activation blocks contiguously.
-    """
+    MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order)."""
     m = tl.program_id(0)
     pc = tl.program_id(1)
     row = x_ptr + m.to(tl.int64) * stride_xm
@@ -109,7 +41,7 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
         amax = tl.maximum(amax, tl.abs(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)))
     a = tl.max(amax, axis=0)
     # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
-    q = 32768.0 / (a * 11.313708498984761)
+    q = 32768.0 / (a * SQRT_HAD)
     e = ((q.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
     e = tl.minimum(tl.maximum(e, -64), 64)
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
@@ -127,13 +59,10 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
         h = tl.dot(xs, load_hadamard(h_ptr), input_precision="tf32x3")
     else:
         h = tl.dot(xs.to(DOT_DTYPE), load_hadamard(h_ptr))
-    h = (h * 0.08838834764831845) * scale
-    if PAIR_ORDER:
-        q = k % 16
-        dst = k - q + 2 * (q % 8) + q // 8
-    elif MMA_ORDER:
-        # decode_wgmma's k order: T column 16 q + c of a 128-block sits at MMA column
-        # 16 (c % 8) + 8 (q % 2) + 2 (q // 2) + c // 8 (decode_wgmma.mma_column_order's inverse).
+    h = (h * INV_SQRT_HAD) * scale
+    if MMA_ORDER:
+        # T column 16 q + c of a 128-block sits at MMA column 16 (c % 8) + 8 (q % 2) + 2 (q // 2)
+        # + c // 8 (the inverse of decode_wgmma.mma_column_order).
         q = j // 16
         c = j % 16
         dst = b * 128 + 16 * (c % 8) + 8 * (q % 2) + 2 * (q // 2) + c // 8
@@ -142,37 +71,30 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
     tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
 
 
-def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor | None = None,
-                   inv_scale: torch.Tensor | None = None, pair_order: bool = False,
-                   mma_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
-    two (module docstring). ``out``/``inv_scale`` may be preallocated workspaces. ``pair_order``
-    permutes each 16 columns into codec.decode_block_pairs' order (for the paired decode GEMM).
+    two (module docstring). ``mma_order`` stores each 128-block in decode_wgmma's column order.
     """
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
-    if out is None:
-        out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
-    if inv_scale is None:
-        inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
+    out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
+    inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = 16
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
-    ddt = _dot_dtype(x2d.dtype)
-    h = hadamard_matrix(x2d.device, _TORCH_DTYPE[ddt])
-    _input_transform_kernel[grid](x2d, qw.sv, h, out, inv_scale, qw.in_features, kp, x2d.stride(0), x2d.stride(1),
-                                  CH=ch, AMAX_BLOCK=1024,
-                                  AMAX_STEPS=triton.cdiv(qw.in_features, 1024), PAIR_ORDER=pair_order,
-                                  MMA_ORDER=mma_order, DOT_DTYPE=ddt,
+    ddt = dot_dtype(x2d.dtype)
+    _input_transform_kernel[grid](x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale, qw.in_features,
+                                  kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=1024,
+                                  AMAX_STEPS=triton.cdiv(qw.in_features, 1024), DOT_DTYPE=ddt, MMA_ORDER=mma_order,
                                   num_warps=4)
     return out, inv_scale
 
 
 @triton.jit
-def _output_transform_kernel(z_ptr, h_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr, M, N_out, Np, stride_ym,
+def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, M, N_out, Np, stride_ym,
                              SPLIT: tl.constexpr, BM: tl.constexpr):
     """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
 
@@ -193,8 +115,8 @@ def _output_transform_kernel(z_ptr, h_ptr, y_ptr, c_ptr, su_ptr, g_ptr, inv_ptr,
     hm = load_hadamard(h_ptr)
     z_hi = (z.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
     h = tl.dot(z_hi, hm, input_precision="tf32")
-    h = tl.dot(z - z_hi, hm, h, input_precision="tf32") * 0.08838834764831845
-    rs = row_scale_block(c_ptr, su_ptr, g_ptr, n, n < N_out)
+    h = tl.dot(z - z_hi, hm, h, input_precision="tf32") * INV_SQRT_HAD
+    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
     y = h * rs * inv
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
@@ -210,6 +132,6 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
-    _output_transform_kernel[grid](z, hadamard_matrix(z.device, torch.float32), out, qw.scale, qw.su, qw.gscale, inv_scale, m, qw.out_features, np_,
+    _output_transform_kernel[grid](z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale, inv_scale, m, qw.out_features, np_,
                                    out.stride(0), SPLIT=split, BM=bm, num_warps=4)
     return out

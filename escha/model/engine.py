@@ -5,7 +5,7 @@ import fnmatch
 import inspect
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -145,39 +145,6 @@ def linear_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
 
 
-@dataclass
-class Quantizer:
-    """Calls escha.quantize with a Hessian, falling back to none if the encoder refuses one.
-
-    Damping of the Hessian is the encoder's business (escha.quantize damps before LDLQ).
-    """
-
-    use_hessian: bool = True
-    encoder: str | None = None
-    hessian_supported: bool = True
-    fallbacks: int = field(default=0)
-
-    def _call(self, w: torch.Tensor, bits: int, hessian: torch.Tensor | None, seed: int) -> QuantizedWeight:
-        kwargs = {} if self.encoder is None else {"encoder": self.encoder}
-        try:
-            return quant.quantize(w, bits=bits, hessian=hessian, seed=seed, **kwargs)
-        except TypeError as e:
-            if kwargs and "encoder" in str(e):
-                raise ModelError(f"this escha.quantize does not take encoder={self.encoder!r}") from None
-            raise
-
-    def __call__(self, w: torch.Tensor, bits: int, hessian: torch.Tensor, seed: int) -> tuple[QuantizedWeight, str]:
-        if not self.use_hessian:
-            return self._call(w, bits, None, seed), "off"
-        if self.hessian_supported:
-            try:
-                return self._call(w, bits, hessian, seed), "used"
-            except NotImplementedError:
-                self.hessian_supported = False
-        self.fallbacks += 1
-        return self._call(w, bits, None, seed), "fallback"
-
-
 def measure(w: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor) -> tuple[float, float, float]:
     """(proxy loss E||E x||^2, proxy relative to E||W x||^2, relative weight error) with E = W - W_hat."""
     w = w.float()
@@ -188,20 +155,25 @@ def measure(w: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor) -> tupl
 
 
 def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianCollector, layer: int,
-                     options: QuantizeOptions, quantizer: Quantizer, progress=None
+                     options: QuantizeOptions, progress=None
                      ) -> tuple[dict[str, dict[int, QuantizedWeight]], list[LinearStats]]:
-    """Quantize each Linear at every candidate K; returns the weights and their statistics."""
+    """Quantize each Linear at every candidate K; returns the weights and their statistics.
+
+    The calibration Hessian goes to escha.quantize (LDLQ) unless ``options.use_hessian`` is off;
+    it always measures the proxy loss.
+    """
     qws: dict[str, dict[int, QuantizedWeight]] = {}
     stats: list[LinearStats] = []
+    encoder = {} if options.encoder is None else {"encoder": options.encoder}
     for name, mod in linears:
         t0 = time.perf_counter()
         w = mod.weight.detach()
         h = hessians.hessian(name)
-        st = LinearStats(name, layer, tuple(w.shape))
+        st = LinearStats(name, layer, tuple(w.shape), hessian="used" if options.use_hessian else "off")
         qws[name] = {}
         for k in options.candidates:
-            qw, how = quantizer(w, k, h, linear_seed(options.seed, name))
-            st.hessian = how
+            qw = quant.quantize(w, bits=k, hessian=h if options.use_hessian else None,
+                                seed=linear_seed(options.seed, name), **encoder)
             st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = measure(w, qw, h)
             st.storage_bpw[k] = qw.bits_per_weight
             qws[name][k] = qw

@@ -80,7 +80,7 @@ class LinearStats:
     weight_rel: dict[int, float] = field(default_factory=dict)  # ||W - W_hat||^2 / ||W||^2
     storage_bpw: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
-    hessian: str = "used"  # "used", or "fallback" when the encoder refused it
+    hessian: str = "used"  # "used" (LDLQ), or "off" when --no-hessian kept it out of the encoder
 
     @property
     def params(self) -> int:

@@ -5,9 +5,9 @@ import json
 import os
 import shutil
 
-from ..format.qweight import QuantizedWeight
+from ..format.qweight import TENSOR_NAMES, QuantizedWeight
 from ..format.spec import FORMAT_NAME, FORMAT_VERSION
-from ..io import PARTS, save_file
+from ..io import save_file
 from .checkpoint import INDEX_NAME, CheckpointReader
 from .options import QuantizeOptions
 from .report import QuantizeReport
@@ -71,7 +71,7 @@ def write_output(out_dir: str, model_dir: str, reader: CheckpointReader, store: 
         save_file(tensors, path, metadata={"format": "pt"})
         total += os.path.getsize(path)
         for key, value in tensors.items():
-            parts = [f"{key}.{p}" for p in PARTS] if isinstance(value, QuantizedWeight) else [key]
+            parts = [f"{key}.{p}" for p in TENSOR_NAMES] if isinstance(value, QuantizedWeight) else [key]
             for p in parts:
                 weight_map[p] = name
 

@@ -1,9 +1,12 @@
 """quantize_model (streaming from a checkpoint directory) and quantize_module (a model in memory).
 
-Both run the same loop: embeddings -> inputs of layer 0; then for each layer, Hessians of its
-Linears from hooks, quantize them, run the quantized layer to get the next layer's inputs.
-Modules after the stack (an untied lm_head, a pooler) are quantized last, from the final hidden
-states. The streaming path holds one layer's weights at a time.
+Both run one loop (``_quantize_stack``) over a source of layers: embeddings -> inputs of layer 0;
+then for each layer, Hessians of its Linears from hooks, quantize them, run the quantized layer
+to get the next layer's inputs. Modules after the stack (an untied lm_head, a pooler) are
+quantized last, from the final hidden states. The sources differ only in where a layer's weights
+come from and where its results go: ``InMemory`` keeps them, ``Streamed`` loads each layer from
+the checkpoint, resumes or saves it under OUT_DIR/.partial/ and releases it, so it holds one
+layer's weights at a time.
 """
 from __future__ import annotations
 
@@ -20,8 +23,7 @@ from .allocate import allocate_bits
 from .calib import read_calibration, text_digest, tokenize
 from .checkpoint import (CheckpointReader, build_skeleton, find_layer_stack, is_tied_output,
                          load_tensors, meta_tensors, set_tensor, tie_output_embeddings)
-from .engine import (Calibration, HessianCollector, Quantizer, capture_inputs, quantize_linears,
-                     run_tail, target_linears)
+from .engine import Calibration, HessianCollector, capture_inputs, quantize_linears, run_tail, target_linears
 from .errors import ModelError
 from .options import LinearStats, QuantizeOptions
 from .progress import Progress
@@ -29,6 +31,7 @@ from .report import QuantizeReport
 from .store import PartialStore, discard_partial
 
 TAIL = "tail"
+Candidates = dict[str, dict[int, QuantizedWeight]]  # Linear name -> K -> its quantized weight
 
 
 def is_causal(model: nn.Module) -> bool:
@@ -37,27 +40,27 @@ def is_causal(model: nn.Module) -> bool:
 
 
 def layer_key(i: int) -> str:
+    """The partial-results key of layer i of the stack."""
     return f"layer_{i:05d}"
 
 
 @dataclass
 class _Run:
-    """State shared by the streaming and in-memory paths."""
+    """State of one quantization run, whichever the source of layers."""
 
     model: nn.Module
     stack_name: str
     stack: nn.ModuleList
     options: QuantizeOptions
     device: torch.device
-    quantizer: Quantizer
     progress: Progress
     stats: list[LinearStats] = field(default_factory=list)
     layer_seconds: dict[int, float] = field(default_factory=dict)
     resumed: list[int] = field(default_factory=list)
-    candidates: dict[str, dict[int, QuantizedWeight]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
 
     def tail_linears(self) -> list[tuple[str, nn.Linear]]:
+        """The Linears after the stack to quantize (tied output embeddings are skipped, and noted)."""
         out = []
         for name, mod in target_linears(self.model, "", self.options.skip):
             if name.startswith(self.stack_name + "."):
@@ -68,8 +71,8 @@ class _Run:
             out.append((name, mod))
         return out
 
-    def install(self, linears: list[tuple[str, nn.Module]], qws: dict[str, dict[int, QuantizedWeight]],
-                bits: int | dict[str, int], dense: bool) -> None:
+    def install(self, linears: list[tuple[str, nn.Module]], qws: Candidates, bits: int | dict[str, int],
+                dense: bool) -> None:
         """Put the quantized weights (at ``bits``, or a per-name map) in place of the Linears.
 
         ``dense`` installs nn.Linears holding W_hat (for calibration passes); otherwise EschaLinears.
@@ -82,8 +85,123 @@ class _Run:
             replace_linear(self.model, name, new)
 
 
-def _target_count(model: nn.Module, stack_name: str, skip: tuple[str, ...]) -> int:
-    return sum(1 for n, _ in target_linears(model, "", skip))
+class InMemory:
+    """Layers of a model already in memory: nothing to load or release; results are kept."""
+
+    def __init__(self) -> None:
+        self.candidates: Candidates = {}
+        self.linears: list[tuple[str, nn.Module]] = []  # every quantized Linear, with its original module
+
+    def load(self, prefix: str, layer: nn.Module) -> None:
+        """Make the layer at ``prefix`` ready to run (it already is)."""
+
+    def resume(self, key: str) -> tuple[Candidates, list[LinearStats]] | None:
+        """Results stored by an earlier run (never, in memory)."""
+        return None
+
+    def keep(self, key: str, linears: list[tuple[str, nn.Module]], qws: Candidates,
+             stats: list[LinearStats]) -> None:
+        """Hold a layer's results until the final bits are known."""
+        self.candidates.update(qws)
+        self.linears += linears
+
+    def release(self, stack: nn.ModuleList, index: int) -> None:
+        """Free layer ``index`` once the next layer's inputs exist (kept, in memory)."""
+
+
+class Streamed:
+    """Layers streamed from a checkpoint: loaded one at a time, resumed from or saved to the
+    partial store, then moved back to the meta device."""
+
+    def __init__(self, model: nn.Module, reader: CheckpointReader, store: PartialStore,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model, self.reader, self.store, self.device, self.dtype = model, reader, store, device, dtype
+        self.names = list(model.state_dict().keys())
+        self.buffers = {n for n, _ in model.named_buffers()}
+        self.keys: dict[str, str] = {}  # the current layer's tensor names -> checkpoint keys
+
+    def load(self, prefix: str, layer: nn.Module) -> None:
+        """Read the tensors of the layer at ``prefix`` from the checkpoint onto the device."""
+        layer_names = [n for n in self.names if n.startswith(prefix + ".")]
+        self.keys = load_tensors(self.model, layer_names, self.reader, self.device, self.dtype,
+                                 optional=self.buffers)
+        _to_device(layer, prefix, self.model, self.device)
+
+    def resume(self, key: str) -> tuple[Candidates, list[LinearStats]] | None:
+        """The stored results of ``key`` if an earlier run of the same identity finished it."""
+        if not self.store.has(key):
+            return None
+        qws, _, stats = self.store.load(key, self.device)
+        return qws, stats
+
+    def keep(self, key: str, linears: list[tuple[str, nn.Module]], qws: Candidates,
+             stats: list[LinearStats]) -> None:
+        """Save a finished layer (its quantized Linears, its other tensors as stored, its stats)."""
+        quantized = {f"{n}.weight" for n, _ in linears}
+        raw = {n: self.reader.get(k) for n, k in self.keys.items() if n not in quantized}
+        self.store.save(key, qws, raw, stats)
+
+    def release(self, stack: nn.ModuleList, index: int) -> None:
+        """Move layer ``index`` back to the meta device: one layer's weights in memory at a time."""
+        self.keys = {}  # what follows the stack (the tail) owns no layer tensors
+        stack[index] = stack[index].to("meta")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
+                    source: InMemory | Streamed) -> bool:
+    """Quantize every layer of the stack, then the modules after it; returns whether there were any."""
+
+    def results(key: str, linears, quantize, note: str, index: int) -> Candidates:
+        """The stored results of ``key`` if the source has them, else ``quantize()``'s, kept."""
+        stored = source.resume(key)
+        if stored is not None:
+            qws, stats = stored
+            run.resumed.append(index)
+            run.progress.update(len(linears), note=f"{note} (resumed)", skipped=True)
+        else:
+            qws, stats = quantize()
+            source.keep(key, linears, qws, stats)
+        run.stats.extend(stats)
+        return qws
+
+    for i in range(len(run.stack)):
+        t1 = time.perf_counter()
+        prefix = f"{run.stack_name}.{i}"
+        layer = run.stack[i]
+        source.load(prefix, layer)
+        linears = target_linears(layer, prefix, run.options.skip)
+        qws = results(layer_key(i), linears, lambda: _quantize_layer(run, calib, layer, linears, i),
+                      f"layer {i}", i)
+        run.install(linears, qws, run.options.propagate_bits, dense=True)
+        calib.advance(layer)
+        source.release(run.stack, i)
+        run.layer_seconds[i] = time.perf_counter() - t1
+    tail = run.tail_linears()
+    if tail:
+        t1 = time.perf_counter()
+        results(TAIL, tail, lambda: _quantize_tail(run, calib, samples, tail), "tail", len(run.stack))
+        run.layer_seconds[len(run.stack)] = time.perf_counter() - t1
+    return bool(tail)
+
+
+def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, index: int):
+    collector = HessianCollector(linears)
+    try:
+        calib.run(layer)
+    finally:
+        collector.remove()
+    return quantize_linears(linears, collector, index, run.options, run.progress)
+
+
+def _quantize_tail(run: _Run, calib: Calibration, samples, tail):
+    collector = run_tail(run.model, run.stack, calib, samples, run.device, tail)
+    return quantize_linears(tail, collector, len(run.stack), run.options, run.progress)
+
+
+def _target_count(model: nn.Module, skip: tuple[str, ...]) -> int:
+    return sum(1 for _ in target_linears(model, "", skip))
 
 
 def _finish_bits(run: _Run) -> dict[str, int]:
@@ -95,12 +213,7 @@ def _finish_bits(run: _Run) -> dict[str, int]:
 def _report(run: _Run, bits_map: dict[str, int], calib_info: dict, t0: float) -> QuantizeReport:
     o = run.options
     mode = f"bpw={o.bpw}" if o.bpw is not None else f"bits={o.bits}"
-    if not o.use_hessian:
-        hessian = "off (--no-hessian): Hessians only measure the proxy error"
-    elif run.quantizer.hessian_supported:
-        hessian = "used (LDLQ)"
-    else:
-        hessian = "fallback: the encoder refused a Hessian (quantized without)"
+    hessian = "used (LDLQ)" if o.use_hessian else "off (--no-hessian): Hessians only measure the proxy error"
     if o.encoder:
         mode += f", encoder={o.encoder}"
     return QuantizeReport(mode, bits_map, run.stats, len(run.stack), run.layer_seconds, run.resumed,
@@ -122,51 +235,18 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     texts = texts if texts is not None else read_calibration(options.calib)
     samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model), options.seq_len,
                        options.max_samples)
-    progress = Progress(_target_count(model, stack_name, options.skip), "quantize", enabled=options.progress)
-    run = _Run(model, stack_name, stack, options, device, Quantizer(options.use_hessian, options.encoder), progress)
-    installed: list[tuple[str, nn.Module]] = []
+    progress = Progress(_target_count(model, options.skip), "quantize", enabled=options.progress)
+    run = _Run(model, stack_name, stack, options, device, progress)
+    source = InMemory()
     with torch.no_grad():
         calib = capture_inputs(model, stack[0], samples.samples, device)
-        for i, layer in enumerate(stack):
-            t1 = time.perf_counter()
-            linears = target_linears(layer, f"{stack_name}.{i}", options.skip)
-            qws, stats = _quantize_layer(run, calib, layer, linears, i)
-            run.candidates.update(qws)
-            run.install(linears, qws, options.propagate_bits, dense=True)
-            installed += linears
-            calib.advance(layer)
-            run.layer_seconds[i] = time.perf_counter() - t1
-        tail = run.tail_linears()
-        if tail:
-            qws, stats = _quantize_tail(run, calib, samples.samples, tail)
-            run.candidates.update(qws)
-            installed += tail
+        _quantize_stack(run, calib, samples.samples, source)
     progress.close()
     bits_map = _finish_bits(run)
     # The final modules: EschaLinears at the chosen K, keeping the original biases.
-    run.install(installed, run.candidates, bits_map, dense=False)
+    run.install(source.linears, source.candidates, bits_map, dense=False)
     return _report(run, bits_map, {"source": samples.source, "samples": len(samples.samples),
                                    "tokens": samples.tokens}, t0)
-
-
-def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, index: int):
-    collector = HessianCollector(linears)
-    try:
-        calib.run(layer)
-    finally:
-        collector.remove()
-    qws, stats = quantize_linears(linears, collector, index, run.options, run.quantizer, run.progress)
-    run.stats.extend(stats)
-    return qws, stats
-
-
-def _quantize_tail(run: _Run, calib: Calibration, samples, tail):
-    t1 = time.perf_counter()
-    collector = run_tail(run.model, run.stack, calib, samples, run.device, tail)
-    qws, stats = quantize_linears(tail, collector, len(run.stack), run.options, run.quantizer, run.progress)
-    run.stats.extend(stats)
-    run.layer_seconds[len(run.stack)] = time.perf_counter() - t1
-    return qws, stats
 
 
 # -- streaming from a checkpoint ------------------------------------------------------------
@@ -258,44 +338,11 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         "model": os.path.abspath(model_dir), "calib": text_digest(texts), "escha": __version__,
         "calib_source": samples.source}))
 
-    progress = Progress(_target_count(model, stack_name, options.skip), "quantize", enabled=options.progress)
-    run = _Run(model, stack_name, stack, options, device, Quantizer(options.use_hessian, options.encoder), progress)
+    progress = Progress(_target_count(model, options.skip), "quantize", enabled=options.progress)
+    run = _Run(model, stack_name, stack, options, device, progress)
     with torch.no_grad():
         calib = capture_inputs(model, stack[0], samples.samples, device)
-        for i in range(len(stack)):
-            t1 = time.perf_counter()
-            prefix = f"{stack_name}.{i}"
-            layer = stack[i]
-            layer_names = [n for n in names if n.startswith(prefix + ".")]
-            keys = load_tensors(model, layer_names, reader, device, dtype, optional=buffers)
-            _to_device(layer, prefix, model, device)
-            linears = target_linears(layer, prefix, options.skip)
-            if store.has(layer_key(i)):
-                qws, _, stats = store.load(layer_key(i), device)
-                run.stats.extend(stats)
-                run.resumed.append(i)
-                progress.update(len(linears), note=f"layer {i} (resumed)", skipped=True)
-            else:
-                qws, stats = _quantize_layer(run, calib, layer, linears, i)
-                quantized = {f"{n}.weight" for n, _ in linears}
-                raw = {n: reader.get(k) for n, k in keys.items() if n not in quantized}
-                store.save(layer_key(i), qws, raw, stats)
-            run.install(linears, qws, options.propagate_bits, dense=True)
-            calib.advance(layer)
-            stack[i] = layer.to("meta")  # release this layer's memory
-            run.layer_seconds[i] = time.perf_counter() - t1
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        tail = run.tail_linears()
-        if tail:
-            if store.has(TAIL):
-                qws, _, stats = store.load(TAIL, device)
-                run.stats.extend(stats)
-                run.resumed.append(len(stack))
-                progress.update(len(tail), note="tail (resumed)", skipped=True)
-            else:
-                qws, stats = _quantize_tail(run, calib, samples.samples, tail)
-                store.save(TAIL, qws, {}, stats)
+        tail = _quantize_stack(run, calib, samples.samples, Streamed(model, reader, store, device, dtype))
     progress.close()
     bits_map = _finish_bits(run)
     report = _report(run, bits_map, {"source": samples.source, "samples": len(samples.samples),

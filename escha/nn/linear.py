@@ -5,20 +5,17 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..format.qweight import QuantizedWeight
-from ..format.spec import TILE, padded, words_per_tile
-
-# The QuantizedWeight fields, held as buffers so .to(), state_dict() and checkpoints see them.
-FORMAT_BUFFERS = ("trellis", "su", "sv", "scale", "gscale")
+from ..format.qweight import TENSOR_NAMES, QuantizedWeight
 
 
 class EschaLinear(nn.Module):
     """y = x @ W_hat^T + b, with W_hat stored as an Escha W2 QuantizedWeight.
 
     Attributes mirror nn.Linear (``in_features``, ``out_features``, ``bias``). The weight lives in
-    the buffers ``trellis``, ``su``, ``sv``, ``scale`` and ``gscale`` with exactly the dtypes of
-    the format: casting the module (``.half()``, ``.to(torch.bfloat16)``) changes only the bias,
-    and moving it (``.to(device)``) moves everything. ``forward`` calls ``escha.matmul``.
+    buffers named and typed as ``QuantizedWeight.TENSORS`` declares (trellis, su, sv, scale,
+    gscale), so .to(), state_dict() and checkpoints see them: casting the module (``.half()``,
+    ``.to(torch.bfloat16)``) changes only the bias, and moving it (``.to(device)``) moves
+    everything. ``forward`` calls ``escha.matmul``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 2,
@@ -32,14 +29,11 @@ class EschaLinear(nn.Module):
         self.out_features = int(out_features)
         self.bits = int(bits)
         self.codebook_id = int(codebook_id)
-        np_, kp = padded(out_features), padded(in_features)
         # Placeholder values that form a valid weight (signs +1, unit scales); loading replaces them.
-        self.register_buffer("trellis", torch.zeros(np_ // TILE, kp // TILE, words_per_tile(bits),
-                                                    dtype=torch.int32, device=device))
-        self.register_buffer("su", torch.ones(np_, dtype=torch.int8, device=device))
-        self.register_buffer("sv", torch.ones(kp, dtype=torch.int8, device=device))
-        self.register_buffer("scale", torch.ones(np_, dtype=torch.float16, device=device))
-        self.register_buffer("gscale", torch.ones(1, dtype=torch.float32, device=device))
+        placeholder = QuantizedWeight.placeholder((self.out_features, self.in_features), self.bits,
+                                                  self.codebook_id, device)
+        for name, t in placeholder.tensors().items():
+            self.register_buffer(name, t)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False)
         else:
@@ -90,7 +84,7 @@ class EschaLinear(nn.Module):
     @property
     def qweight(self) -> QuantizedWeight:
         """The QuantizedWeight over the current buffers (validated once per buffer change)."""
-        bufs = tuple(self._buffers[n] for n in FORMAT_BUFFERS)
+        bufs = tuple(self._buffers[n] for n in TENSOR_NAMES)
         key = tuple(id(t) for t in bufs) + (self.bits, self.codebook_id)
         if key != self._cache_key or self._cache is None:
             self._cache = QuantizedWeight(*bufs, shape=(self.out_features, self.in_features),
@@ -119,7 +113,7 @@ class EschaLinear(nn.Module):
     # -- device and dtype moves -----------------------------------------------------------
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         # Module.to(dtype) would cast the fp16/fp32 scales; move the format buffers by device only.
-        held = {n: self._buffers.pop(n) for n in FORMAT_BUFFERS}
+        held = {n: self._buffers.pop(n) for n in TENSOR_NAMES}
         try:
             super()._apply(fn, recurse)
         finally:

@@ -5,16 +5,20 @@ into batches sized from free memory (torch.cuda.mem_get_info on GPU, a fixed bud
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..format.spec import STATE_BITS
 from .viterbi import Trellis, viterbi, viterbi_tailbiting
+
+if TYPE_CHECKING:
+    from .viterbi_triton import ViterbiLaunch
 
 Progress = Callable[[int, int], None]
 
@@ -41,12 +45,14 @@ class EncodeOptions:
     tail_biting: produce cyclic walks (the format requires them); False gives the unconstrained
     optimum, used only to measure what the constraint costs.
     wrap_window: steps of the rotated first pass (None: the whole tile).
+    launch: the Triton DP's launch parameters (None: viterbi_triton.viterbi_launch's rule).
     """
 
     tail_biting: bool = True
     wrap_window: int | None = DEFAULT_WRAP_WINDOW
     backend: Backend = Backend.AUTO
     batch_tiles: int | None = None
+    launch: ViterbiLaunch | None = None
 
 
 def _use_triton(device: torch.device, backend: Backend) -> bool:
@@ -73,17 +79,19 @@ def batch_size(trellis: Trellis, n: int, device: torch.device, triton_path: bool
     return max(1, min(MAX_BATCH, budget // bytes_per_tile(trellis, n, triton_path)))
 
 
-def _viterbi_fn(triton_path: bool) -> Callable:
+def _viterbi_fn(triton_path: bool, launch: ViterbiLaunch | None) -> Callable:
     if triton_path:
+        # Imported where it runs: importing Triton at `import escha` would fix the interpreter
+        # mode before `escha demo` chooses it (escha/ops.py).
         from .viterbi_triton import viterbi_triton
-        return viterbi_triton
+        return functools.partial(viterbi_triton, config=launch)
     return viterbi
 
 
 def encode_batch(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
                  opts: EncodeOptions = EncodeOptions()) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch: x float32 [T, n] -> (states int64 [T, n], squared error [T])."""
-    fn = _viterbi_fn(_use_triton(x.device, opts.backend))
+    fn = _viterbi_fn(_use_triton(x.device, opts.backend), opts.launch)
     if not opts.tail_biting:
         return fn(x, values, trellis)
     return viterbi_tailbiting(x, values, trellis, opts.wrap_window, fn)

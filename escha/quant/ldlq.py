@@ -22,18 +22,30 @@ SYMMETRY_RTOL = 1e-4  # |H - H^T| allowed, relative to max |H|
 MAX_DAMP_RETRIES = 4  # each retry multiplies the damping by 10
 
 
-def check_hessian(h: object, n_in: int) -> torch.Tensor:
-    """A finite, symmetric [n_in, n_in] tensor as float64 (symmetrised), or a clear error."""
-    if not isinstance(h, torch.Tensor):
-        raise TypeError(f"hessian must be a torch.Tensor, got {type(h).__name__}")
-    if tuple(h.shape) != (n_in, n_in):
-        raise ValueError(f"hessian must be [in, in] = [{n_in}, {n_in}] for this weight, got {list(h.shape)}")
-    if not h.dtype.is_floating_point:
-        raise TypeError(f"hessian must be floating point, got {h.dtype}")
-    bad = ~torch.isfinite(h)
+def check_finite_matrix(t: object, name: str, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """A 2-D, non-empty, finite floating tensor (of ``shape`` if given), or a ValueError/TypeError
+    naming the problem and the first non-finite entry."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be [in, in] = {list(shape)} for this weight, got {list(t.shape)}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [out, in], got shape {list(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty: shape {list(t.shape)}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    bad = ~torch.isfinite(t)
     if bool(bad.any()):
         r, c = bad.nonzero()[0].tolist()
-        raise ValueError(f"hessian has {int(bad.sum())} non-finite values; first at [{r}, {c}]")
+        kind = "NaN" if bool(torch.isnan(t[r, c])) else "Inf"
+        raise ValueError(f"{name} has {int(bad.sum())} non-finite values; first is {kind} at [{r}, {c}]")
+    return t
+
+
+def check_hessian(h: object, n_in: int) -> torch.Tensor:
+    """A finite, symmetric [n_in, n_in] tensor as float64 (symmetrised), or a clear error."""
+    h = check_finite_matrix(h, "hessian", (n_in, n_in))
     h64 = h.double()
     scale = float(h64.abs().max())
     asym = float((h64 - h64.T).abs().max())

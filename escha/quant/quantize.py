@@ -12,7 +12,7 @@ from ..format.spec import TILE, TILE_WEIGHTS, check_bits, padded
 from .encode import EncodeOptions, Progress, encode_tiles
 from .greedy import encode_greedy
 from .incoherence import Incoherent, make_incoherent
-from .ldlq import DEFAULT_DAMP, block_ldl_upper, check_hessian, incoherent_hessian, ldlq
+from .ldlq import DEFAULT_DAMP, block_ldl_upper, check_finite_matrix, check_hessian, incoherent_hessian, ldlq
 from .scale import ScaleSearch, search_ratio
 
 GPU_MIN_TILES = 64  # below this the CPU path is as fast as launching kernels
@@ -27,20 +27,7 @@ class Encoder(str, Enum):
 
 def check_weight(w: object, name: str = "W") -> torch.Tensor:
     """A 2-D, non-empty, finite floating tensor, or a ValueError/TypeError naming the problem."""
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
-    if w.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [out, in], got shape {list(w.shape)}")
-    if w.numel() == 0:
-        raise ValueError(f"{name} is empty: shape {list(w.shape)}")
-    if not w.dtype.is_floating_point:
-        raise TypeError(f"{name} must be floating point, got {w.dtype}")
-    bad = ~torch.isfinite(w)
-    if bool(bad.any()):
-        r, c = bad.nonzero()[0].tolist()
-        kind = "NaN" if bool(torch.isnan(w[r, c])) else "Inf"
-        raise ValueError(f"{name} has {int(bad.sum())} non-finite values; first is {kind} at [{r}, {c}]")
-    return w
+    return check_finite_matrix(w, name)
 
 
 def to_tiles(t: torch.Tensor) -> torch.Tensor:

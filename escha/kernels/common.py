@@ -1,0 +1,256 @@
+"""What every kernel shares: where kernels run, the workspace cache, constants and rounding.
+
+One place decides whether Triton runs in its CPU interpreter (``interpreted``), whether a device
+may run inline PTX (``ptx_enabled``) and whether the kernels can run on a device at all
+(``kernels_run_on``). Every op checks its operands with ``check_operands``/``check_codebook``,
+rounds to narrower floats through ``round_to`` only, and builds the +-1 Hadamard matrix and the
+output row scale through ``hadamard_pm1`` and ``row_scale_block``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..format.qweight import QuantizedWeight
+from ..format.spec import HAD_BLOCK
+
+
+@triton.jit
+def _probe():
+    """A kernel that is never launched: its type tells how triton.jit wraps kernels here."""
+    pass
+
+
+# triton.jit reads TRITON_INTERPRET when a kernel is defined, so the probe, defined beside (and
+# imported before) every kernel of this package, reports what every kernel is.
+_INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 before import)."""
+    return _INTERPRETED
+
+
+def ptx_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use inline PTX: NVIDIA GPUs with compiled Triton only."""
+    return device.type == "cuda" and torch.version.cuda is not None and not interpreted()
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on ``device``: any GPU, or the CPU under the interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+#: Activation dtypes every op takes (and returns).
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_operands(x: object, qw: object, op: str = "escha.matmul") -> None:
+    """Raise a TypeError/ValueError naming the problem if ``op`` cannot multiply x by qw."""
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"qw must be a QuantizedWeight, got {type(qw).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"x dtype {x.dtype} is not supported by {op}; use float16, bfloat16 or float32")
+    if x.dim() < 1 or x.shape[-1] != qw.in_features:
+        raise ValueError(f"x has inner dimension {x.shape[-1] if x.dim() else None}, "
+                         f"but the weight expects {qw.in_features} (weight shape {qw.shape})")
+    if x.device != qw.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {qw.device}; move one with .to()")
+
+
+def check_codebook(qw: QuantizedWeight, op: str) -> None:
+    """The kernels implement the 3INST codebook (id 0) only; refuse any other."""
+    if qw.codebook_id != 0:
+        raise ValueError(f"{op} implements the 3INST codebook only, got {qw.codebook.name}")
+
+
+# -- Constants ----------------------------------------------------------------------------------
+# Kernels may read only constexpr globals, so the constants they use are tl.constexpr; host code
+# reads a number with ``.value``.
+
+#: 1/sqrt(128): kernels multiply by the exact +-1 Hadamard matrix and apply this once, in fp32.
+INV_SQRT_HAD = tl.constexpr(1.0 / math.sqrt(HAD_BLOCK))
+#: sqrt(128): the largest growth of a row's max |x| through the normalized 128-point Hadamard.
+SQRT_HAD = tl.constexpr(math.sqrt(HAD_BLOCK))
+FP8_DTYPE = torch.float8_e4m3fn
+#: Largest finite float8_e4m3fn value.
+FP8_MAX = tl.constexpr(448.0)
+#: Largest |3INST value| over all 65536 states (tests/test_codec_kernels.py checks it).
+THREEINST_ABSMAX = 3.9727
+#: Power of two that carries the core T into e4m3 (dequant core and the fused prefill kernel):
+#: the largest with THREEINST_ABSMAX * 64 = 254.3 <= 448, so no value saturates, and small
+#: weights stay in e4m3's normal range (smallest normal 2**-6). Exact, like any power of two.
+CORE_FP8_SCALE = tl.constexpr(64.0)
+#: Power of two that carries Hn_pm1 T into e4m3 (dequantize-once): |Hn_pm1 T| <= 128 * 4 = 512,
+#: so halving keeps every value within 448 for any trellis bits.
+HN_FP8_SCALE = tl.constexpr(0.5)
+
+_INTERPRETED_C = tl.constexpr(_INTERPRETED)
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Operand dtype of a tensor-core product of values exact in ``dtype``.
+
+    The interpreter's bf16 arithmetic is unreliable under numpy 2 (a bf16 tl.dot returned
+    garbage), so interpreted runs use fp32, which holds every fp16/bf16 value exactly.
+    """
+    return tl.float32 if interpreted() else _DOT_DTYPES[dtype]
+
+
+# -- Workspace cache ----------------------------------------------------------------------------
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The reusable scratch for (device, current stream, dtype, shape); allocated on first use only.
+
+    Two callers on one stream are ordered by the stream, so sharing is safe; a tensor from one
+    call is overwritten by the next call of the same key, so callers never return it. Keying on
+    the stream keeps two streams from racing on one buffer.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, dtype, tuple(shape))
+    buf = _WORKSPACE.get(key)
+    if buf is None:
+        buf = torch.empty(shape, device=device, dtype=dtype)
+        _WORKSPACE[key] = buf
+    return buf
+
+
+# -- Shared device functions --------------------------------------------------------------------
+@triton.jit
+def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """The unnormalized Sylvester matrix H[i, j] = (-1)**popcount(i & j), [BLOCK, BLOCK] in ``dtype``.
+
+    Built from indices in registers, so no constant tensor is copied to the device (a host copy
+    is not allowed inside CUDA-graph capture). The parity fold covers BLOCK <= 128.
+    """
+    i = tl.arange(0, BLOCK)[:, None]
+    j = tl.arange(0, BLOCK)[None, :]
+    a = i & j
+    a = a ^ (a >> 4)
+    a = a ^ (a >> 2)
+    a = a ^ (a >> 1)
+    return (1 - 2 * (a & 1)).to(dtype)
+
+
+_HADAMARD: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def hadamard_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The unnormalized [128, 128] Sylvester matrix (+-1, exact in any float dtype) on ``device``,
+    built once per (device, dtype) with device ops only (no host copy, so a first call may even
+    happen inside CUDA-graph capture). Small kernels load it (``load_hadamard``) instead of
+    rebuilding it from indices per program: about ten integer ops per entry, measured as the
+    largest cost of the decode's transform kernels (docs/KERNELS.md)."""
+    key = (str(device), dtype)
+    h = _HADAMARD.get(key)
+    if h is None:
+        i = torch.arange(HAD_BLOCK, device=device, dtype=torch.int32)
+        a = i[:, None] & i[None, :]
+        for s in (4, 2, 1):
+            a = a ^ (a >> s)
+        h = (1 - 2 * (a & 1)).to(dtype).contiguous()
+        _HADAMARD[key] = h
+    return h
+
+
+_TORCH_DTYPES = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
+
+
+def hadamard_operand(device: torch.device, dtype: tl.dtype) -> torch.Tensor:
+    """``hadamard_matrix`` in the torch dtype of the Triton dtype ``dtype`` (a dot operand)."""
+    return hadamard_matrix(device, _TORCH_DTYPES[dtype])
+
+
+@triton.jit
+def load_hadamard(h_ptr):
+    """The [128, 128] matrix of ``hadamard_matrix`` from global memory (an L2 hit after the
+    first program)."""
+    i = tl.arange(0, 128)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    return tl.load(h_ptr + i * 128 + j)
+
+
+@triton.jit
+def row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, mask):
+    """g*c*su for output channels n, in fp32, multiplied in escha.format.row_scale's order."""
+    g = tl.load(gscale_ptr)
+    c = tl.load(scale_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    su = tl.load(su_ptr + n, mask=mask, other=0).to(tl.float32)
+    return g * c * su
+
+
+# -- Rounding -----------------------------------------------------------------------------------
+# One family: round_to. Compiled, it is the hardware conversion (cvt.rn on NVIDIA: round to
+# nearest even, subnormals kept, overflow to Inf for fp16/bf16). The CPU interpreter's own
+# downcasts are not all correct (bf16 truncates; fp8 loses the carry when rounding crosses a
+# power of two), so interpreted runs round in integer arithmetic instead, to the same bits.
+
+@triton.jit
+def _rint_small(q):
+    """Round-half-even of fp32 0 <= q < 2**22 to an integer (adding 2**23 leaves no fraction bits)."""
+    return ((q + 8388608.0) - 8388608.0).to(tl.uint32)
+
+
+@triton.jit
+def f32_to_bf16_rne(x):
+    """fp32 -> bf16 in integer arithmetic, round to nearest even (NaN stays NaN, overflow gives Inf)."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = tl.where(nan, (u >> 16) | 0x40, r)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def f32_to_f16_rne(x):
+    """fp32 -> fp16 in integer arithmetic, round to nearest even, with subnormals, Inf on overflow
+    and NaN kept."""
+    u = x.to(tl.uint32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    sign = (u >> 16) & 0x8000
+    normal = tl.minimum((a + 0xFFF + ((a >> 13) & 1)) >> 13, 0x23C00) - 0x1C000  # 0x7C00 = Inf
+    sub = _rint_small(tl.abs(x) * 16777216.0)  # |x| < 2**-14: multiples of 2**-24
+    r = tl.where(a >= 0x38800000, normal, sub)
+    r = tl.where(a > 0x7F800000, 0x7E00, r)
+    return (r | sign).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def f32_to_e4m3_rne(x):
+    """fp32 -> fp8 e4m3 (fn) in integer arithmetic, round to nearest even, subnormals included;
+    inputs must satisfy |x| < 464 (no saturation)."""
+    u = x.to(tl.uint32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    sign = (u >> 24) & 0x80
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)  # rebias 127 -> 7
+    sub = _rint_small(tl.abs(x) * 512.0)  # |x| < 2**-6: multiples of 2**-9
+    r = tl.where(a >= 0x3C800000, normal, sub)
+    return (r | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def round_to(x, DT: tl.constexpr):
+    """``x`` (fp32, or a narrower float) rounded to nearest even in dtype DT: fp32, fp16, bf16 or
+    fp8 e4m3 (for e4m3, |x| < 464). The hardware conversion when compiled, integer arithmetic
+    under the interpreter."""
+    if _INTERPRETED_C:
+        x = x.to(tl.float32)  # exact: the helpers read fp32 bit patterns
+        if DT == tl.float16:
+            y = f32_to_f16_rne(x)
+        elif DT == tl.bfloat16:
+            y = f32_to_bf16_rne(x)
+        elif DT == tl.float8e4nv:
+            y = f32_to_e4m3_rne(x)
+        else:
+            y = x
+    else:
+        y = x.to(DT)
+    return y
