@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from escha.format import codebooks, words_from_states
-from escha.quant.encode import EncodeOptions, encode_tiles
+from escha.quant.encode import Backend, EncodeOptions, encode_tiles
 from escha.quant.greedy import encode_greedy
 from escha.quant.viterbi import Trellis, viterbi, viterbi_tailbiting
 from escha.quant.viterbi_cpu import plan_layouts, viterbi_cpu
@@ -81,9 +81,9 @@ def test_constrained_and_tailbiting_against_brute_force() -> None:
     assert bool((err >= exact - 1e-5).all()) and bool((exact >= free - 1e-5).all())
 
 
-@pytest.mark.parametrize("bits", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bits", [2, 3])
 def test_full_trellis_tile_beats_greedy_and_is_cyclic(bits: int) -> None:
-    """Full L = 16 on real tiles (one in CI: each costs seconds on a CPU)."""
+    """Full L = 16 on real tiles."""
     torch.manual_seed(10 + bits)
     table = codebooks.get(0).table().float()
     x = torch.randn(1, 256) * float(table.pow(2).mean().sqrt())
@@ -168,3 +168,13 @@ def test_cpu_layout_plan() -> None:
             period = {1: 9, 2: 4, 3: 2, 4: 1}[bits]
             assert sum(s.transpose for s in plan) <= 256 // period + 1
 
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_cpu_encoder_is_default_and_equals_reference_encoder(bits: int) -> None:
+    """Whole tail-biting encodes (wrap pass + constrained pass) of full 256-weight tiles."""
+    torch.manual_seed(30 + bits)
+    table = codebooks.get(0).table().float()
+    x = torch.randn(2, 256) * float(table.pow(2).mean().sqrt())
+    ref = encode_tiles(x, table, bits, EncodeOptions(backend=Backend.TORCH))
+    assert_same(encode_tiles(x, table, bits), ref)
+    assert_same(encode_tiles(x, table, bits, EncodeOptions(backend=Backend.CPU, batch_tiles=1)), ref)
