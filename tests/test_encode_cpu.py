@@ -1,10 +1,11 @@
-"""CPU encoder support: the thread governor's decisions."""
+"""CPU encoder support: the thread governor's decisions and the run-time estimate."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from escha.quant.cpu_threads import ThreadGovernor, choose_threads, read_sample
+from escha.quant.estimate import CPU_TILES_PER_S, CUDA_TILES_PER_S, encoder_tiles_per_s, estimate_seconds
 
 
 def test_choose_threads() -> None:
@@ -53,3 +54,21 @@ def test_read_sample() -> None:
     wall, busy, own = s
     assert wall > 0 and busy >= 0 and own >= 0
 
+
+def test_estimate_seconds() -> None:
+    rate = encoder_tiles_per_s(2, "cpu", threads=1)
+    assert rate == CPU_TILES_PER_S[1][2] > 0
+    assert encoder_tiles_per_s(2, "cpu", threads=8) == CPU_TILES_PER_S[2][2]
+    assert encoder_tiles_per_s(2, torch.device("cuda")) == CUDA_TILES_PER_S[2]
+    assert encoder_tiles_per_s(4, "cuda") == CUDA_TILES_PER_S[3]  # nearest measured K
+    # 1024 tiles (512 x 512) plus the CPU scale search: 5 factors x 8 tiles x one 256-step pass.
+    want = (1024 + 5 * 8 * 256 / 384) / rate
+    assert estimate_seconds(1024, 2, "cpu") == pytest.approx(want)
+    assert estimate_seconds(1024, 2, "cpu", scale_search=False) == pytest.approx(1024 / rate)
+    assert estimate_seconds(3, 2, "cpu", tiles_per_s=10.0) == pytest.approx((3 + 5 * 3 * 256 / 384) / 10)
+    assert estimate_seconds(0, 2) == 0.0
+    assert estimate_seconds(10**6, 2, "cuda") < estimate_seconds(10**6, 2, "cpu", threads=2)
+    with pytest.raises(ValueError):
+        estimate_seconds(-1, 2)
+    with pytest.raises(ValueError):
+        estimate_seconds(1, 2, tiles_per_s=0.0)
