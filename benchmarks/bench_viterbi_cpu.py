@@ -1,7 +1,8 @@
 """CPU Viterbi benchmark: tiles/s of the default CPU encoder, against the reference path.
 
     python benchmarks/bench_viterbi_cpu.py --out benchmarks/results/viterbi_cpu.json
-    python benchmarks/bench_viterbi_cpu.py --contended ...   # also with one busy process beside it
+    python benchmarks/bench_viterbi_cpu.py --contended 1 ...   # also beside 1 busy process
+    python benchmarks/bench_viterbi_cpu.py --bits --no-quantize --contended 3 --out ...  # only that
 
 A tile is 256 i.i.d. Gaussian weights at the default scale, encoded tail-biting (128-step wrap
 pass + 256-step constrained pass) with the format's codebook. Arms: the default encoder (thread
@@ -185,13 +186,15 @@ def bench_blocks(blocks: list[int], count: int, reps: int) -> dict:
     return out
 
 
-def bench_contended(count: int, reps: int) -> dict:
-    """K=2 with one busy-looping process beside the benchmark (another user of the machine)."""
+def bench_contended(count: int, reps: int, hogs: int) -> dict:
+    """K=2 with ``hogs`` busy-looping processes beside the benchmark (other users of the machine);
+    each stops by itself after 10 minutes if this process dies."""
     x, table = tiles(count, seed=2)
-    hog = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 600\nwhile time.time() < t: pass"])
+    loop = "import time\nt = time.time() + 600\nwhile time.time() < t: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(hogs)]
     try:
         time.sleep(1.0)
-        out = {"busy_processes": 1}
+        out = {"busy_processes": hogs}
         for name, threads in (("default", None), ("threads_1", 1), ("threads_2", 2)):
             r = time_new(x, table, 2, threads, reps)
             r.pop("result")
@@ -199,25 +202,29 @@ def bench_contended(count: int, reps: int) -> dict:
             print(f"contended K=2 {name}: best {r['best_tiles_per_s']:.1f} median "
                   f"{r['median_tiles_per_s']:.1f} tiles/s", file=sys.stderr, flush=True)
     finally:
-        hog.kill()
-        hog.wait()
+        for p in procs:
+            p.kill()
+            p.wait()
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/viterbi_cpu.json")
-    ap.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--bits", type=int, nargs="*", default=[1, 2, 3, 4])
     ap.add_argument("--tiles", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ref-tiles", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--ref-bits", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--contended", action="store_true")
+    ap.add_argument("--contended", type=int, default=0, metavar="N",
+                    help="also run K=2 beside N busy processes")
     ap.add_argument("--blocks", type=int, nargs="*", default=[],
                     help="also time these DP block sizes (one thread, K=2)")
     ap.add_argument("--no-quantize", action="store_true")
     a = ap.parse_args()
-    data: dict = {"meta": meta(), "encoder": bench(a.bits, a.tiles, a.ref_tiles, a.reps, a.ref_bits)}
+    data: dict = {"meta": meta()}
+    if a.bits:
+        data["encoder"] = bench(a.bits, a.tiles, a.ref_tiles, a.reps, a.ref_bits)
     if not a.no_quantize:
         data["quantize"] = [time_quantize((128, 256), 2, a.reps), time_quantize((512, 512), 2, 1)]
         for q in data["quantize"]:
@@ -225,7 +232,7 @@ def main() -> None:
     if a.blocks:
         data["block_sizes"] = bench_blocks(a.blocks, 32, a.reps)
     if a.contended:
-        data["contended"] = bench_contended(max(16, a.tiles // 2), max(1, a.reps - 1))
+        data["contended"] = bench_contended(max(16, a.tiles // 2), max(1, a.reps - 1), a.contended)
     data["meta"]["loadavg_at_end"] = list(os.getloadavg())
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(data, indent=2) + "\n")
