@@ -8,10 +8,9 @@ A tile is 256 i.i.d. Gaussian weights at the default scale, encoded tail-biting 
 pass + 256-step constrained pass) with the format's codebook. Arms: the default encoder (thread
 governor), the same DP at a fixed 1 and 2 threads, and the reference PyTorch path that was the
 CPU default before (on 16 and 128 tiles: its speed depends on the batch), whose walks and errors
-must equal the new ones bit for bit. Every repeat records the 1-minute load average before and after it, because
-the machine may be shared, and this process's CPU time: on a busy machine tiles per CPU-second
-of a one-thread arm is close to what an idle core gives. Best and median are reported.
-Target: >= 50 tiles/s at K=2.
+must equal the new ones bit for bit. The machine may be shared, so every repeat records the
+1-minute load average before and after it and this process's CPU time; best and median are
+reported. Target: >= 50 tiles/s at K=2.
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ thread while other processes want the cores.
 A DP step is a few parallel ops of ~50 us, each ending in a barrier. When another process takes
 a core, each barrier waits for a descheduled thread: on a 2-core machine beside one busy process
 the DP ran 2x slower with 2 threads than with 1, and up to 10x beside busier neighbours
-(docs/QUANT.md), while on an idle machine one thread loses ~40% of the 2-thread speed. Other processes' CPU use is read from Linux's
-/proc/stat (all busy time, including time the hypervisor gave to other guests) minus this
-process's own CPU time, over windows of a few hundred milliseconds.
+(docs/QUANT.md), while on an idle machine one thread loses ~40% of the 2-thread speed. Other
+processes' CPU use is read from Linux's /proc/stat (all busy time, including time the hypervisor
+gave to other guests) minus this process's own CPU time, over windows of a few hundred ms.
 """
 from __future__ import annotations
 
