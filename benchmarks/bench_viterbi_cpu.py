@@ -4,7 +4,7 @@
     python benchmarks/bench_viterbi_cpu.py --contended 1 ...   # also beside 1 busy process
     python benchmarks/bench_viterbi_cpu.py --bits --no-quantize --contended 3 --out ...  # only that
 
-A tile is 256 i.i.d. Gaussian weights at the default scale, encoded tail-biting (128-step wrap
+A tile is 256 i.i.d. Gaussian weights at the codebook's RMS, encoded tail-biting (128-step wrap
 pass + 256-step constrained pass) with the format's codebook. Arms: the default encoder (thread
 governor), the same DP at a fixed 1 and 2 threads, and the reference PyTorch path that was the
 CPU default before (on 16 and 128 tiles: its speed depends on the batch), whose walks and errors
