@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="quantize a built-in sample matrix and check escha.matmul",
                        description=run.__doc__)
     p.add_argument("--bits", type=int, default=2, choices=(1, 2, 3, 4))
-    # 128 tiles: about a minute for the exact Viterbi encoder on a 2-core CPU, instant on a GPU.
+    # 128 tiles: a few seconds for the exact Viterbi encoder on a 2-core CPU, instant on a GPU.
     p.add_argument("--out-features", type=int, default=128)
     p.add_argument("--in-features", type=int, default=256)
     p.add_argument("--m", type=int, default=8, help="activation rows")

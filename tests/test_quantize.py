@@ -58,7 +58,6 @@ def test_deterministic_and_round_trip(tmp_path) -> None:
     assert torch.equal(dequantize(back), dequantize(a))
 
 
-@pytest.mark.slow
 def test_viterbi_quantize_end_to_end() -> None:
     """The default encoder on one small matrix: near the i.i.d. distortion, far below greedy."""
     torch.manual_seed(8)
@@ -71,7 +70,6 @@ def test_viterbi_quantize_end_to_end() -> None:
     assert torch.equal(qw.trellis, again.trellis)
 
 
-@pytest.mark.slow
 def test_scale_search_picks_minimum() -> None:
     torch.manual_seed(9)
     table = escha.codebooks.get(0).table().float()

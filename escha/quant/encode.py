@@ -1,10 +1,12 @@
 """Batched tile encoder: tail-biting Viterbi over many 256-weight tiles, memory-bounded.
 
-Picks the Triton kernels on CUDA and the reference PyTorch path elsewhere, and cuts the tiles
-into batches sized from free memory (torch.cuda.mem_get_info on GPU, a fixed budget on CPU).
+Picks the Triton kernels on CUDA and the blocked CPU DP (viterbi_cpu.py) elsewhere; the
+reference PyTorch path stays selectable (Backend.TORCH). Tiles are cut into batches sized from
+free memory on GPU; on CPU the DP bounds its own memory and a batch sets the progress interval.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -16,26 +18,34 @@ import torch
 
 from ..format.spec import STATE_BITS
 from .viterbi import Trellis, viterbi, viterbi_tailbiting
+from .viterbi_cpu import block_size as cpu_block_size
+from .viterbi_cpu import reuse_buffers, viterbi_cpu
 
 if TYPE_CHECKING:
     from .viterbi_triton import ViterbiLaunch
 
 Progress = Callable[[int, int], None]
 
-CPU_BUDGET_BYTES = 1 << 30  # working memory for one CPU batch
+CPU_BUDGET_BYTES = 1 << 30  # working memory for one batch of the reference path on CPU
 GPU_FREE_FRACTION = 0.5  # share of free device memory one batch may take
 MAX_BATCH = 16384  # beyond this a batch buys no more parallelism
+CPU_BLOCKS_PER_BATCH = 4  # CPU batch = 4 DP blocks (64 tiles at K=2): progress about every second
 # Steps of the rotated wrap pass: survivor paths merge within a few dozen steps, so 64 steps on
 # each side of the wrap point fix the same overlap bits as the whole tile at half the cost.
 DEFAULT_WRAP_WINDOW = 128
 
 
 class Backend(str, Enum):
-    """Which Viterbi implementation runs the DP."""
+    """Which Viterbi implementation runs the DP (all give the same walks).
+
+    AUTO: Triton on CUDA, CPU elsewhere. CPU: blocked min-only DP (viterbi_cpu.py). TORCH: the
+    reference path (viterbi.py), slow; kept for comparison. TRITON: the fused kernels.
+    """
 
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    CPU = "cpu"
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,8 @@ class EncodeOptions:
     optimum, used only to measure what the constraint costs.
     wrap_window: steps of the rotated first pass (None: the whole tile).
     launch: the Triton DP's launch parameters (None: viterbi_triton.viterbi_launch's rule).
+    cpu_threads: threads of the CPU DP; None: torch's threads while the machine's other cores
+    are idle, one while other processes use them (cpu_threads.py).
     """
 
     tail_biting: bool = True
@@ -53,12 +65,15 @@ class EncodeOptions:
     backend: Backend = Backend.AUTO
     batch_tiles: int | None = None
     launch: ViterbiLaunch | None = None
+    cpu_threads: int | None = None
 
 
-def _use_triton(device: torch.device, backend: Backend) -> bool:
-    if backend == Backend.TRITON:
-        return True
-    return backend == Backend.AUTO and device.type == "cuda"
+def resolve_backend(device: torch.device, backend: Backend = Backend.AUTO) -> Backend:
+    """The implementation AUTO stands for on ``device``."""
+    backend = Backend(backend)
+    if backend != Backend.AUTO:
+        return backend
+    return Backend.TRITON if device.type == "cuda" else Backend.CPU
 
 
 def bytes_per_tile(trellis: Trellis, n: int, triton_path: bool) -> int:
@@ -69,8 +84,11 @@ def bytes_per_tile(trellis: Trellis, n: int, triton_path: bool) -> int:
     return costs + (n - 1) * trellis.n_groups * trellis.field_bits // 8
 
 
-def batch_size(trellis: Trellis, n: int, device: torch.device, triton_path: bool) -> int:
+def batch_size(trellis: Trellis, n: int, device: torch.device, backend: Backend) -> int:
     """Tiles per batch that fit the memory budget of ``device``."""
+    if backend == Backend.CPU:  # the DP bounds its own memory; the batch only paces progress
+        return cpu_block_size(trellis, n) * CPU_BLOCKS_PER_BATCH
+    triton_path = backend == Backend.TRITON
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * GPU_FREE_FRACTION)
@@ -79,19 +97,19 @@ def batch_size(trellis: Trellis, n: int, device: torch.device, triton_path: bool
     return max(1, min(MAX_BATCH, budget // bytes_per_tile(trellis, n, triton_path)))
 
 
-def _viterbi_fn(triton_path: bool, launch: ViterbiLaunch | None) -> Callable:
-    if triton_path:
+def _viterbi_fn(backend: Backend, launch: ViterbiLaunch | None) -> Callable:
+    if backend == Backend.TRITON:
         # Imported where it runs: importing Triton at `import escha` would fix the interpreter
         # mode before `escha demo` chooses it (escha/ops.py).
         from .viterbi_triton import viterbi_triton
         return functools.partial(viterbi_triton, config=launch)
-    return viterbi
+    return viterbi_cpu if backend == Backend.CPU else viterbi
 
 
 def encode_batch(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
                  opts: EncodeOptions = EncodeOptions()) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch: x float32 [T, n] -> (states int64 [T, n], squared error [T])."""
-    fn = _viterbi_fn(_use_triton(x.device, opts.backend), opts.launch)
+    fn = _viterbi_fn(resolve_backend(x.device, opts.backend), opts.launch)
     if not opts.tail_biting:
         return fn(x, values, trellis)
     return viterbi_tailbiting(x, values, trellis, opts.wrap_window, fn)
@@ -107,15 +125,18 @@ def encode_tiles(x: torch.Tensor, values: torch.Tensor, bits: int,
     trellis = Trellis(state_bits, bits)
     t_count, n = x.shape
     values = values.float().to(x.device)
-    triton_path = _use_triton(x.device, opts.backend)
-    step = opts.batch_tiles or batch_size(trellis, n, x.device, triton_path)
+    backend = resolve_backend(x.device, opts.backend)
+    step = opts.batch_tiles or batch_size(trellis, n, x.device, backend)
     states = torch.empty((t_count, n), dtype=torch.int64, device=x.device)
     err = torch.empty(t_count, dtype=torch.float32, device=x.device)
-    for lo in range(0, t_count, step):
-        hi = min(t_count, lo + step)
-        states[lo:hi], err[lo:hi] = encode_batch(x[lo:hi].float().contiguous(), values, trellis, opts)
-        if progress is not None:
-            progress(hi, t_count)
+    shared = (reuse_buffers(trellis, n, t_count, opts.cpu_threads) if backend == Backend.CPU
+              else contextlib.nullcontext())
+    with shared:
+        for lo in range(0, t_count, step):
+            hi = min(t_count, lo + step)
+            states[lo:hi], err[lo:hi] = encode_batch(x[lo:hi].float().contiguous(), values, trellis, opts)
+            if progress is not None:
+                progress(hi, t_count)
     return states, err
 
 

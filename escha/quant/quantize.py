@@ -1,7 +1,9 @@
 """escha.quantize: W [out, in] -> QuantizedWeight (incoherence, scale search, LDLQ, Viterbi)."""
 from __future__ import annotations
 
+import functools
 from enum import Enum
+from typing import Callable, TypeVar
 
 import torch
 
@@ -14,6 +16,7 @@ from .greedy import encode_greedy
 from .incoherence import Incoherent, make_incoherent
 from .ldlq import DEFAULT_DAMP, block_ldl_upper, check_finite_matrix, check_hessian, incoherent_hessian, ldlq
 from .scale import ScaleSearch, search_ratio
+from .viterbi_cpu import reuse_buffers
 
 GPU_MIN_TILES = 64  # below this the CPU path is as fast as launching kernels
 
@@ -51,6 +54,20 @@ def _pick_device(w: torch.Tensor, n_tiles: int, device: torch.device | str | Non
     return w.device
 
 
+F = TypeVar("F", bound=Callable)
+
+
+def _shared_cpu_workspace(fn: F) -> F:
+    """Run ``fn`` with one set of CPU DP buffers and one thread governor for all its encodes
+    (scale search, every LDLQ column); unused on GPU."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with reuse_buffers():
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
+
+
+@_shared_cpu_workspace
 def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None, seed: int = 0,
              codebook: str | int = "3inst", *, damp: float = DEFAULT_DAMP,
              scale_search: ScaleSearch | None = ScaleSearch(), encoder: Encoder | str = Encoder.VITERBI,
