@@ -1,4 +1,4 @@
-"""The ``escha`` command line: demo, quantize, bench."""
+"""The ``escha`` command line: demo, quantize, eval, bench."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ def _add_subcommands(sub: argparse._SubParsersAction) -> None:
     from . import demo
     demo.add_parser(sub)
     # Optional subcommands register themselves when their modules import cleanly.
-    for module in ("escha.model.cli", "escha.bench"):
+    for module in ("escha.model.cli", "escha.model.eval_cli", "escha.bench"):
         try:
             mod = __import__(module, fromlist=["add_parser"])
         except ImportError:
