@@ -150,6 +150,7 @@ def test_cli_json(llama, text):
     ("short_text", "fewer than one window of --seq-len 64"),
     ("bad_seq_len", "--seq-len must be at least 2"),
     ("too_long", "exceeds the model's 128 positions"),
+    ("bad_device", "is not a torch device"),
 ])
 def test_cli_errors(llama, text, tmp_path, case, message):
     short = tmp_path / "short.txt"
@@ -158,7 +159,8 @@ def test_cli_errors(llama, text, tmp_path, case, message):
             "missing_text": [llama, "--text", str(tmp_path / "nope.txt")],
             "short_text": [llama, "--text", str(short), "--seq-len", "64"],
             "bad_seq_len": [llama, "--text", text, "--seq-len", "1"],
-            "too_long": [llama, "--text", text, "--seq-len", "256"]}[case]
+            "too_long": [llama, "--text", text, "--seq-len", "256"],
+            "bad_device": [llama, "--text", text, "--device", "gpu0"]}[case]
     res = run_cli(*args)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()

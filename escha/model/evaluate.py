@@ -174,6 +174,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return dt
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """A usable torch device, or a one-line error (a bad name, or CUDA without a GPU)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise EvalInputError(f"--device {device!r} is not a torch device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EvalInputError(f"--device {device} but torch sees no CUDA GPU")
+    return dev
+
+
 def load_for_eval(model_dir: str | os.PathLike, device: str | torch.device = "cpu",
                   dtype: str | torch.dtype | None = "auto", precision: str | None = None):
     """(model in eval mode, tokenizer or None) for a plain HF causal LM or an escha-quantized one.
@@ -189,7 +200,7 @@ def load_for_eval(model_dir: str | os.PathLike, device: str | torch.device = "cp
         raise FileNotFoundError(f"{model_dir} has no config.json")
     if precision is not None and precision not in PRECISIONS:
         raise EvalInputError(f"--precision must be one of {PRECISIONS}, got {precision!r}")
-    device = torch.device(device)
+    device = check_device(device)
     dt = resolve_dtype(dtype, device)
     if is_escha_dir(model_dir):
         from ..nn.linear import set_matmul_precision
