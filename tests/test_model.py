@@ -189,8 +189,8 @@ def test_hessian_reaches_the_encoder(tiny, monkeypatch):
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
     xs = []
     h = ref_model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, 64)))
-    from escha.model.calib import BUILTIN_TEXT, tokenize
-    toks = tokenize(list(BUILTIN_TEXT), None, 256, True, 48, 32)
+    from escha.model.calib import read_calibration, tokenize
+    toks = tokenize(read_calibration(None), None, 256, True, 48, QuantizeOptions().max_samples)
     with torch.no_grad():
         for ids in toks.samples:
             ref_model(ids)

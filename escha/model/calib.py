@@ -1,13 +1,24 @@
-"""Calibration text: a small built-in set, and turning text into token samples."""
+"""Calibration text: the shipped English corpus (or a user's file), and turning text into samples."""
 from __future__ import annotations
 
+import functools
 import hashlib
+import lzma
+import os
 from dataclasses import dataclass
 
 import torch
 
+# The default calibration corpus (package data; escha/model/data/README.md says what it holds):
+# about 790k tokens of English from the Python documentation, the Jargon File and The Devil's
+# Dictionary, interleaved so that any stretch of it mixes the registers.
+CORPUS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calib_en.txt.xz")
+# Bumped whenever the way text becomes samples changes, so that partial results of an older
+# scheme are not resumed (it is part of text_digest).
+SAMPLING_SCHEME = "2: paragraphs joined by blank lines; chunks evenly spaced over the stream"
+
 # Varied registers (prose, code, dialogue, numbers, lists) so that Hessians see more than one
-# kind of token statistics. Used when no calibration file is given.
+# kind of token statistics. Used only when the shipped corpus is missing from an installation.
 BUILTIN_TEXT: tuple[str, ...] = (
     "The committee postponed its decision until the engineers could explain why the bridge had started to sway in light wind.",
     "def mean(values):\n    return sum(values) / len(values) if values else 0.0",
@@ -44,10 +55,23 @@ BUILTIN_TEXT: tuple[str, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=1)
+def _corpus_paragraphs(path: str) -> tuple[str, ...]:
+    with lzma.open(path, "rt", encoding="utf-8") as f:
+        return tuple(p.strip() for p in f.read().split("\n\n") if p.strip())
+
+
+def default_calibration() -> tuple[list[str], str]:
+    """The shipped corpus as paragraphs, and its name; the built-in sentences if it is missing."""
+    if os.path.isfile(CORPUS_PATH):
+        return list(_corpus_paragraphs(CORPUS_PATH)), "corpus calib_en.txt.xz"
+    return list(BUILTIN_TEXT), "built-in sentences (the corpus file is missing)"
+
+
 def read_calibration(path: str | None) -> list[str]:
-    """Paragraphs of a UTF-8 text file (split on blank lines), or the built-in set."""
+    """Paragraphs of a UTF-8 text file (split on blank lines), or of the default corpus."""
     if path is None:
-        return list(BUILTIN_TEXT)
+        return default_calibration()[0]
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -61,7 +85,7 @@ def read_calibration(path: str | None) -> list[str]:
 
 def text_digest(texts: list[str]) -> str:
     """A short hash of the calibration text (part of a run's identity for resuming)."""
-    return hashlib.sha256("\x00".join(texts).encode()).hexdigest()[:16]
+    return hashlib.sha256("\x00".join([SAMPLING_SCHEME, *texts]).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -76,39 +100,62 @@ class TokenSamples:
         return sum(s.numel() for s in self.samples)
 
 
+def spread(n: int, k: int) -> list[int]:
+    """``k`` indices out of ``range(n)``, evenly spaced from the first (all of them if k >= n)."""
+    if k >= n:
+        return list(range(n))
+    return [i * n // k for i in range(k)]
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence a model's position embeddings allow, where its config says."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def calibration_seq_len(config, seq_len: int) -> int:
+    """``seq_len``, shortened to the model's maximum number of positions."""
+    n = max_positions(config)
+    return min(seq_len, n) if n is not None else seq_len
+
+
 def tokenize(texts: list[str], tokenizer, vocab_size: int, causal: bool, seq_len: int,
              max_samples: int) -> TokenSamples:
     """Turn text into samples.
 
-    Decoders: all text joined (separated by EOS) and cut into ``seq_len``-token chunks, so
-    attention sees long contexts. Encoders: one sample per paragraph with the tokenizer's special
-    tokens, truncated to ``seq_len``. Without a tokenizer, UTF-8 bytes modulo the vocabulary
-    stand in for tokens (enough to exercise every weight, and deterministic).
+    Decoders: the paragraphs joined by blank lines, as the text reads, tokenized as one stream
+    and cut into ``seq_len``-token chunks (a last chunk shorter than 8 tokens is dropped); when
+    there are more chunks than ``max_samples``, that many are taken evenly spaced over the
+    stream, so that a sample of a long corpus covers all of it. Encoders: one sample per
+    paragraph with the tokenizer's special tokens, truncated to ``seq_len``, likewise spaced.
+    Without a tokenizer, UTF-8 bytes modulo the vocabulary stand in for tokens (enough to
+    exercise every weight, and deterministic).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     if tokenizer is not None:
         encode = lambda t, special: list(tokenizer(t, add_special_tokens=special)["input_ids"])  # noqa: E731
-        eos = getattr(tokenizer, "eos_token_id", None)
         source = "tokenizer"
     else:
         encode = lambda t, special: [b % vocab_size for b in t.encode("utf-8")]  # noqa: E731
-        eos = None
         source = "bytes"
     out: list[torch.Tensor] = []
     if causal:
         stream: list[int] = []
-        for t in texts:
-            stream += encode(t, False) + ([eos] if eos is not None else [])
-        for i in range(0, len(stream), seq_len):
-            chunk = stream[i:i + seq_len]
-            if len(chunk) >= min(8, seq_len) or not out:
-                out.append(torch.tensor([chunk], dtype=torch.int64))
+        for i, t in enumerate(texts):
+            # Paragraph by paragraph, each but the first led by its separator: a long corpus is
+            # never one oversized tokenizer call, and byte-level BPE tokenizers (which split
+            # whitespace from the word after it) give exactly the tokens of the joined text.
+            stream += encode("\n\n" + t if i else t, False)
+        chunks = [stream[i:i + seq_len] for i in range(0, len(stream), seq_len)]
+        chunks = [c for j, c in enumerate(chunks) if len(c) >= min(8, seq_len) or j == 0]
+        for j in spread(len(chunks), max_samples):
+            out.append(torch.tensor([chunks[j]], dtype=torch.int64))
     else:
-        for t in texts:
-            ids = encode(t, True)[:seq_len]
+        for j in spread(len(texts), max_samples):
+            ids = encode(texts[j], True)[:seq_len]
             if ids:
                 out.append(torch.tensor([ids], dtype=torch.int64))
     if not out:
         raise ValueError("calibration text produced no tokens")
-    return TokenSamples(out[:max_samples], source)
+    return TokenSamples(out, source)

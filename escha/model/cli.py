@@ -19,13 +19,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--bpw", type=float, default=None,
                    help="target mean bits per weight; K in {2,3} per Linear by measured sensitivity")
     p.add_argument("--calib", metavar="FILE", default=None,
-                   help="UTF-8 calibration text (paragraphs split on blank lines); default: built-in set")
+                   help="UTF-8 calibration text (paragraphs split on blank lines); default: the English "
+                        "corpus shipped with escha (about 790k tokens)")
     p.add_argument("--skip", default="lm_head",
                    help="comma-separated module names or globs left unquantized (default: lm_head; '' for none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random sign vectors")
     p.add_argument("--device", default="cpu", help="torch device for calibration and encoding (e.g. cuda)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sample")
-    p.add_argument("--samples", type=int, default=32, help="maximum calibration samples")
+    p.add_argument("--seq-len", type=int, default=2048,
+                   help="tokens per calibration sample (default 2048, shortened to the model's maximum positions)")
+    p.add_argument("--samples", type=int, default=128,
+                   help="calibration samples, evenly spaced over the text (default 128: 262k tokens at 2048; "
+                        "lower both on a CPU to save time)")
     p.add_argument("--encoder", choices=("viterbi", "greedy"), default=None,
                    help="trellis encoder (default: escha.quantize's, the exact Viterbi)")
     p.add_argument("--no-hessian", action="store_true",

@@ -21,12 +21,16 @@ class QuantizeOptions:
 
     bits: int | None = 2
     bpw: float | None = None
-    calib: str | None = None  # UTF-8 text file; None = the built-in set
+    calib: str | None = None  # UTF-8 text file; None = the shipped corpus (escha/model/data)
     skip: tuple[str, ...] = ("lm_head",)
     seed: int = 0
     device: str = "cpu"
-    seq_len: int = 256
-    max_samples: int = 32
+    # 128 x 2048 = 262,144 calibration tokens: many times the widest Linear input of common
+    # models (1536 in SmolLM2-135M, 17408 in Qwen3-14B), so that every H = E[x x^T] has full rank
+    # and a stable spectrum; 2048 tokens reach the positions that long prompts use. Shortened to
+    # the model's maximum positions. docs/MODELS.md explains the choice.
+    seq_len: int = 2048
+    max_samples: int = 128
     encoder: str | None = None  # escha.quantize's encoder ("viterbi", "greedy"); None = its default
     use_hessian: bool = True  # pass calibration Hessians to the encoder (LDLQ)
     dtype: str = "float32"  # compute dtype of the calibration forward passes

@@ -20,7 +20,7 @@ from torch import nn
 from ..format.qweight import QuantizedWeight
 from ..nn.linear import EschaLinear, dense_linear, replace_linear
 from .allocate import allocate_bits
-from .calib import read_calibration, text_digest, tokenize
+from .calib import calibration_seq_len, read_calibration, text_digest, tokenize
 from .checkpoint import (CheckpointReader, build_skeleton, find_layer_stack, is_tied_output,
                          load_tensors, meta_tensors, set_tensor, tie_output_embeddings)
 from .engine import Calibration, HessianCollector, capture_inputs, quantize_linears, run_tail, target_linears
@@ -233,8 +233,8 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     device = torch.device(options.device)
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))
     texts = texts if texts is not None else read_calibration(options.calib)
-    samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model), options.seq_len,
-                       options.max_samples)
+    samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model),
+                       calibration_seq_len(model.config, options.seq_len), options.max_samples)
     progress = Progress(_target_count(model, options.skip), "quantize", enabled=options.progress)
     run = _Run(model, stack_name, stack, options, device, progress)
     source = InMemory()
@@ -330,7 +330,7 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     texts = read_calibration(options.calib)
     samples = tokenize(texts, _load_tokenizer(model_dir), config.vocab_size, is_causal(model),
-                       options.seq_len, options.max_samples)
+                       calibration_seq_len(config, options.seq_len), options.max_samples)
     if restart:
         discard_partial(out_dir)
     _check_out_dir(model_dir, out_dir, overwrite)

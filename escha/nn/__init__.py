@@ -1,4 +1,4 @@
 """torch.nn modules for Escha W2 weights."""
-from .linear import EschaLinear, dense_linear, replace_linear, set_matmul_path
+from .linear import EschaLinear, dense_linear, replace_linear, set_matmul_path, set_matmul_precision
 
-__all__ = ["EschaLinear", "replace_linear", "set_matmul_path", "dense_linear"]
+__all__ = ["EschaLinear", "replace_linear", "set_matmul_path", "set_matmul_precision", "dense_linear"]

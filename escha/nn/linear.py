@@ -20,9 +20,13 @@ class EschaLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 2,
                  codebook_id: int = 0, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, path: str | None = None) -> None:
+                 dtype: torch.dtype | None = None, path: str | None = None,
+                 precision: str | None = None) -> None:
         super().__init__()
         self.path = path  # escha.matmul kernel path; None lets the dispatcher choose
+        # escha.matmul's precision ("fp8" or "bf16"); None keeps its default (fp8). A per-module
+        # attribute rather than a global switch: two models in one process can differ.
+        self.precision = precision
         if in_features < 1 or out_features < 1:
             raise ValueError(f"features must be positive, got in={in_features}, out={out_features}")
         self.in_features = int(in_features)
@@ -105,7 +109,8 @@ class EschaLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul."""
         qw = self.qweight
-        y = ops.matmul(x, qw) if self.path is None else ops.matmul(x, qw, path=self.path)
+        kwargs = {} if self.precision is None else {"precision": self.precision}
+        y = ops.matmul(x, qw, **kwargs) if self.path is None else ops.matmul(x, qw, path=self.path)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -133,7 +138,8 @@ class EschaLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, bits={self.bits}"
-                + ("" if self.path is None else f", path={self.path!r}"))
+                + ("" if self.path is None else f", path={self.path!r}")
+                + ("" if self.precision is None else f", precision={self.precision!r}"))
 
 
 def set_matmul_path(model: nn.Module, path: str | None) -> int:
@@ -142,6 +148,20 @@ def set_matmul_path(model: nn.Module, path: str | None) -> int:
     for m in model.modules():
         if isinstance(m, EschaLinear):
             m.path = path
+            n += 1
+    return n
+
+
+def set_matmul_precision(model: nn.Module, precision: str | None) -> int:
+    """Set ``escha.matmul``'s precision ("fp8", "bf16", or None for the default) in every
+    EschaLinear of ``model``; returns the count. A forced path (set_matmul_path) still wins."""
+    from ..ops import _PRECISION_CODE, Precision
+    if precision is not None and precision not in _PRECISION_CODE:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {[p.value for p in Precision]}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, EschaLinear):
+            m.precision = None if precision is None else str(Precision(precision))
             n += 1
     return n
 
