@@ -25,7 +25,7 @@ from escha.kernels.decode_wgmma import (DecodeWgmmaConfig, decode_wgmma, decode_
                                         mma_order_core, packed_words)
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import env_info  # noqa: E402
+from bench_decode import env_info, weight_set  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336)}
 TOL = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
@@ -60,17 +60,6 @@ def gate_gemm(qw: QuantizedWeight, w_ref: torch.Tensor, m: int, dtype: torch.dty
     return rel_err(y, ref)
 
 
-def weights(out_f: int, in_f: int, min_bytes: float, seed: int) -> list[QuantizedWeight]:
-    base = random_qweight(out_f, in_f, bits=2, seed=seed, device="cuda")
-    n = max(2, -(-int(min_bytes) // (base.trellis.numel() * 4)))
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    ws = [base]
-    for _ in range(n - 1):
-        tr = torch.randint(-2**31, 2**31, base.trellis.shape, generator=g, device="cuda", dtype=torch.int64).to(torch.int32)
-        ws.append(QuantizedWeight(tr, base.su, base.sv, base.scale, base.gscale, base.shape, 2))
-    return ws
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -102,7 +91,7 @@ def main() -> int:
     timer = GraphTimer(replays=10)
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
-        ws = weights(out_f, in_f, 4 * l2 / 2, seed=len(name))  # packed words are 2x the trellis
+        ws = weight_set(out_f, in_f, 4 * l2 / 2, seed=len(name))  # packed words are 2x the trellis
         for w in ws:
             packed_words(w)  # the one-time repack, outside the timed graphs
         w_ref = dequantize(ws[0]).double()

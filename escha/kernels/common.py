@@ -63,6 +63,16 @@ def check_operands(x: object, qw: object, op: str = "escha.matmul") -> None:
         raise ValueError(f"x is on {x.device} but the weight is on {qw.device}; move one with .to()")
 
 
+def output_tensor(x: torch.Tensor, m: int, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """The [m, n] output of an op in x's dtype: ``out`` after checking it, or a new tensor."""
+    if out is None:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be {x.dtype} [{m}, {n}] with unit column stride, "
+                         f"got {out.dtype} {list(out.shape)} stride {out.stride()}")
+    return out
+
+
 def check_codebook(qw: QuantizedWeight, op: str) -> None:
     """The kernels implement the 3INST codebook (id 0) only; refuse any other."""
     if qw.codebook_id != 0:

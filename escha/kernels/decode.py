@@ -28,7 +28,8 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
 from .codec import CodecPath, codec_path, decode_block
-from .common import INV_SQRT_HAD, check_codebook, check_operands, hadamard_pm1, round_to, row_scale_block
+from .common import (INV_SQRT_HAD, check_codebook, check_operands, hadamard_pm1, output_tensor, round_to,
+                     row_scale_block)
 from .splitk import decode_split_k
 from .transforms import hadamard_input, hadamard_output
 
@@ -141,13 +142,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None, o
     split = max(1, min(cfg.split, nkb))
     fuse = cfg.fuse_output and split == 1 and cfg.block_n == HAD_BLOCK
     xq, inv = hadamard_input(x2d, qw)
-    if out is None:
-        y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
-    else:
-        if out.shape != (m, qw.out_features) or out.dtype != x.dtype or out.stride(1) != 1:
-            raise ValueError(f"out must be {x.dtype} [{m}, {qw.out_features}] with unit column stride, "
-                             f"got {out.dtype} {list(out.shape)} stride {out.stride()}")
-        y = out
+    y = output_tensor(x, m, qw.out_features, out)
     ws = y if fuse else torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
     grid = (np_ // cfg.block_n, split)
     kernel = _decode_kernel[grid](xq, qw.trellis, ws, y, qw.scale, qw.su, qw.gscale, inv,

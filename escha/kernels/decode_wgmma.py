@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
-from .common import check_codebook, check_operands, interpreted
+from .common import check_codebook, check_operands, interpreted, output_tensor
 from .transforms import hadamard_input, hadamard_output
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
@@ -153,6 +153,29 @@ def _iota(N: gl.constexpr, AXIS: gl.constexpr, RANK: gl.constexpr, PARENT: gl.co
     return x
 
 
+# The codec's PTX: two LCG words xa, xb (from a funnel word, or from two states), then the
+# assembly shared by both: mask/xor (lop3, LUT 0x6A = (a & b) ^ c) each, two prmt gathering the
+# low and the high halves, one add.f16x2, and the pair of fp16 results.
+_ASSEMBLE = """
+        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        prmt.b32 lo, xa, xb, 0x5410;
+        prmt.b32 hi, xa, xb, 0x7632;
+        add.rn.f16x2 v, lo, hi;
+        mov.b32 {$0, $1}, v;
+        }"""
+_PAIR_VALUES_ASM = gl.constexpr("""{
+        .reg .b32 sa, xa, xb, lo, hi, v;
+        mul.hi.u32 sa, $2, 65536;
+        mad.lo.u32 xa, sa, 89226354, 64248484;
+        mad.lo.u32 xb, $2, 89226354, 1584945828;
+        mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _ASSEMBLE)
+_STATE_VALUES_ASM = gl.constexpr("""{
+        .reg .b32 xa, xb, lo, hi, v;
+        mad.lo.u32 xa, $2, 89226354, 64248484;
+        mad.lo.u32 xb, $3, 89226354, 64248484;""" + _ASSEMBLE)
+
+
 @gluon.jit
 def _pair_values(t):
     """fp16 3INST values of columns c and c + 8 of a K=2 tile row, t = funnel(hi, lo, 2c).
@@ -163,39 +186,15 @@ def _pair_values(t):
     mul.hi(t, 2**16) (FMA pipe too). Then the mask/xor (lop3), two prmt that gather the low and
     the high halves of both values, and one add.f16x2.
     """
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 sa, xa, xb, lo, hi, v;
-        mul.hi.u32 sa, $2, 65536;
-        mad.lo.u32 xa, sa, 89226354, 64248484;
-        mad.lo.u32 xb, $2, 89226354, 1584945828;
-        mad.lo.u32 xb, xa, 0xFFFF0000, xb;
-        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        prmt.b32 lo, xa, xb, 0x5410;
-        prmt.b32 hi, xa, xb, 0x7632;
-        add.rn.f16x2 v, lo, hi;
-        mov.b32 {$0, $1}, v;
-        }""",
-        "=h,=h,r", [t], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(_PAIR_VALUES_ASM, "=h,=h,r", [t], dtype=(gl.float16, gl.float16), is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
 def _state_values(sa, sb):
     """fp16 3INST values of two states (mad, lop3 each; prmt, prmt, add.f16x2 for both)."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 xa, xb, lo, hi, v;
-        mad.lo.u32 xa, $2, 89226354, 64248484;
-        mad.lo.u32 xb, $3, 89226354, 64248484;
-        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        prmt.b32 lo, xa, xb, 0x5410;
-        prmt.b32 hi, xa, xb, 0x7632;
-        add.rn.f16x2 v, lo, hi;
-        mov.b32 {$0, $1}, v;
-        }""",
-        "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(_STATE_VALUES_ASM, "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -393,13 +392,7 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
     split = triton.cdiv(nkb, kb_per)
     ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
-    if out is None:
-        y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
-    else:
-        if out.shape != (m, qw.out_features) or out.dtype != x.dtype or out.stride(1) != 1:
-            raise ValueError(f"out must be {x.dtype} [{m}, {qw.out_features}] with unit column stride, "
-                             f"got {out.dtype} {list(out.shape)} stride {out.stride()}")
-        y = out
+    y = output_tensor(x, m, qw.out_features, out)
     grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
     _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
                                STAGES=cfg.stages, FRAGS=cfg.fragments, num_warps=4)
