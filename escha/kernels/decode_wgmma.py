@@ -2,9 +2,9 @@
 
     z^T [64 weight rows, tokens] += T_blk [64, 128] @ x'^T [128, tokens]     (one warpgroup)
 
-Swap AB as in the portable kernel (decode.py): weight rows fill the wgmma M dimension (64 per
-warpgroup), tokens its N dimension (8..256), the activations x' come from shared memory (TMA,
-a ring of STAGES buffers). Unlike the portable kernel, the decoded weights never leave the
+Swap AB as in the portable kernel (decode.py): weight rows fill the wgmma M dimension (one or two
+64-row fragments per warpgroup), tokens its N dimension (8..256), the activations x' come from
+shared memory (TMA, a ring of STAGES buffers). Unlike the portable kernel, the decoded weights never leave the
 registers: every thread decodes exactly the fp16 values of its own A fragment and the
 ``wgmma.mma_async`` reads them from registers.
 
@@ -22,8 +22,8 @@ row (``pack_words``), and register pairs (e = 0, 1) hold columns s and s + 8, wh
 the high and low halves of one funnel shift (``_pair_values``).
 
 Words are repacked once per weight (``pack_words``: 64 bits per tile row, 2x the trellis at
-K = 2, 1.33x at K = 3) so that a thread's words are two 16-byte loads, fetched one loop step
-ahead of their use.
+K = 2, 1.33x at K = 3) so that a thread's words are two 16-byte shared-memory loads; TMA brings
+each step's words with its activation tile, STAGES steps ahead of their use.
 
 Output: fp32 partials [split, M, Np] for ``transforms.hadamard_output`` (sum in fixed order, Hn,
 row scales), as the portable kernel's split path; no atomics, so results are bitwise
@@ -398,3 +398,20 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
                                STAGES=cfg.stages, FRAGS=cfg.fragments, num_warps=4)
     hadamard_output(ws, qw, inv, y)
     return y.reshape(*x.shape[:-1], qw.out_features)
+
+
+# -- Why the configuration is what it is ---------------------------------------------------------
+# Measured on one H200 (torch 2.11+cu130, triton 3.6.0), CUDA graphs, weights rotated over >= 4x
+# L2, median of 3 interleaved rounds: benchmarks/results/decode_wgmma_h200_sweep.{log,json}
+# (fragments 1/2 x split 1..8, M = 1, 8, 16, 64, 128, 256, gate_up 17408x5120 / down 5120x8704).
+# Microseconds, best arm and the rule's choice:
+#   M=1    gate_up 2 frags split 6: 43.3   down 2 frags split 6: 28.6   (rule: the same)
+#   M=8    gate_up 2/6: 44.6               down 2/6: 29.7               (rule: the same)
+#   M=64   gate_up 2/4: 72.8               down 2/6: 46.3               (rule 2/4: 72.8 / 52.7)
+#   M=128  gate_up 1/3: 110.2              down 1/3: 62.2               (rule: the same)
+#   M=256  gate_up 1/2: 196.4              down 1/3: 110.9              (rule 1/3: 204.4 / 110.9)
+# Split 1 or 2 loses 30-100% at M <= 16 (a few programs of 4 warps per SM cannot hide the
+# decode's latencies); 8 loses up to 10% (more partials to reduce, shorter loops). Two fragments
+# share each activation tile and halve the loop's overhead per weight; at 128 tokens they need
+# 254 registers, so one fragment above 64 tokens. Stages: 3 (2 at 256 tokens, shared memory).
+# The final numbers with this rule: benchmarks/results/decode_wgmma_h200.{log,json}.
