@@ -101,7 +101,10 @@ class ParallelEschaLinear(_Parallel, EschaLinear):
         """This rank's shard of a whole weight (and bias) held in memory."""
         mod = cls(qw.in_features, qw.out_features, bias=bias is not None, tp=tp, parts=parts,
                   bits=qw.bits, codebook_id=qw.codebook_id, device="meta")
-        mod.set_qweight(qw.shard(cls.PARALLEL_DIM, tp.rank, tp.world_size, parts))
+        shard = qw.shard(cls.PARALLEL_DIM, tp.rank, tp.world_size, parts)
+        # Copies, so that the whole weight's memory is freed once the caller drops it.
+        mod.set_qweight(QuantizedWeight.trusted([t.clone() for t in shard.tensors().values()], shard.shape,
+                                                shard.bits, shard.codebook_id))
         if bias is not None:
             mod.bias = nn.Parameter(_local_bias(bias, mod.shard, cls.PARALLEL_DIM).clone().to(qw.device),
                                     requires_grad=False)
