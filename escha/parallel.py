@@ -457,23 +457,24 @@ def load_model_parallel(model_dir: str | os.PathLike, device: torch.device | str
     return model
 
 
-def supported_tp_degrees(model_dir: str | os.PathLike) -> list[int]:
-    """The world sizes a checkpoint can be split over: every degree that divides each split
-    dimension's 128-blocks (part by part for fused layers) and the attention head counts."""
-    from transformers import AutoConfig
+def supported_tp_degrees(model: nn.Module | str | os.PathLike) -> list[int]:
+    """The world sizes a checkpoint (a directory written by ``escha quantize``) or a model can be
+    split over: every degree that divides each split dimension's 128-blocks (part by part for
+    fused layers) and gives every rank whole attention heads."""
+    if not isinstance(model, nn.Module):
+        from transformers import AutoConfig
 
-    from .model.checkpoint import build_skeleton
-    from .model.loading import install_escha_linears, read_quantization_config
-    model_dir = os.fspath(model_dir)
-    qc = read_quantization_config(model_dir)
-    model = build_skeleton(AutoConfig.from_pretrained(model_dir, local_files_only=True))
-    install_escha_linears(model, qc["bits_map"], device="meta")
+        from .model.checkpoint import build_skeleton
+        from .model.loading import install_escha_linears, read_quantization_config
+        model_dir = os.fspath(model)
+        qc = read_quantization_config(model_dir)
+        model = build_skeleton(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+        install_escha_linears(model, qc["bits_map"], device="meta")
     placements = plan_placements(model)
     degrees: set[int] | None = None
     for name, p in placements.items():
         mod = model.get_submodule(name)
-        size = (mod.out_features, mod.in_features)[p.dim]
-        ok = set(supported_degrees(size, p.parts))
+        ok = set(supported_degrees((mod.out_features, mod.in_features)[p.dim], p.parts))
         degrees = ok if degrees is None else degrees & ok
     out = []
     for d in sorted(degrees or {1}):
@@ -483,4 +484,3 @@ def supported_tp_degrees(model_dir: str | os.PathLike) -> list[int]:
             continue
         out.append(d)
     return out
-

@@ -293,6 +293,21 @@ def test_supported_degrees_follow_the_shapes(checkpoints):
     assert supported_tp_degrees(checkpoints["odd"]) == [1]
 
 
+@pytest.mark.parametrize("name, cfg, want", [
+    ("Qwen3ForCausalLM", dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=40, num_key_value_heads=8,
+                              head_dim=128), [1, 2, 4, 8]),  # Qwen3-14B
+    ("LlamaForCausalLM", dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3),
+     [1]),  # SmolLM2-135M: q has 5 blocks, k 2
+    ("Phi3ForCausalLM", dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8,
+                             pad_token_id=0), [1, 2, 4, 8]),  # Phi-4-mini, fused qkv and gate_up
+])
+def test_supported_degrees_of_real_shapes(name, cfg, want):
+    from escha.model.checkpoint import build_skeleton
+    config = getattr(transformers, name.replace("ForCausalLM", "Config"))(num_hidden_layers=1, vocab_size=64, **cfg)
+    config.architectures = [name]
+    assert supported_tp_degrees(build_skeleton(config)) == want  # as docs/FORMAT.md section 11 lists
+
+
 def test_load_model_without_a_process_group_is_single_process(checkpoints):
     model = escha.load_model(checkpoints["qwen3"])
     assert type(model.model.layers[0].mlp.down_proj) is escha.EschaLinear
