@@ -28,6 +28,7 @@ from torch import nn
 from .format.qweight import TENSOR_NAMES, FormatError, QuantizedWeight
 from .format.shard import ShardError, shard_plan, shard_shape, supported_degrees, take
 from .format.spec import HAD_BLOCK, check_bits, padded
+from .model.errors import ModelError
 from .nn.linear import EschaLinear, replace_linear
 from .nn.parallel import PARALLEL_CLASSES, ParallelEschaLinear, ParallelLinear, TPGroup
 
@@ -113,7 +114,6 @@ def plan_placements(model: nn.Module) -> dict[str, Placement]:
     Raises ModelError when the model has no plan or the plan splits a module that is not a
     Linear. The result does not depend on the world size; ``shard_plan`` checks that later.
     """
-    from .model.errors import ModelError
     plan = model_tp_plan(model)
     if not plan:
         raise ModelError(f"{type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan), "
@@ -154,7 +154,6 @@ HEAD_COUNTS = {"q_proj": ("num_attention_heads",), "k_proj": ("num_key_value_hea
 
 def _check_heads(model: nn.Module, placements: dict[str, Placement], world_size: int) -> None:
     """Each rank must hold the same whole number of heads of every split attention projection."""
-    from .model.errors import ModelError
     cfg = _text_config(model)
     for name, p in placements.items():
         parent_name, _, leaf = name.rpartition(".")
@@ -189,6 +188,8 @@ class _RankConfig:
         object.__setattr__(self, "_local", local)
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy/pickle protocol lookups must not reach the shared config
+            raise AttributeError(name)
         local = object.__getattribute__(self, "_local")
         return local[name] if name in local else getattr(object.__getattribute__(self, "_base"), name)
 
@@ -294,7 +295,6 @@ def _read_quantized(f, path: str, name: str, entry: dict, mod: nn.Module) -> Qua
                               f"got {sl.get_dtype()} {sl.get_shape()}")
         slices[spec.name] = sl
     if isinstance(mod, ParallelEschaLinear):
-        from .model.errors import ModelError
         if mod.global_shape != shape:
             raise ModelError(f"{path}: {name!r} is {list(shape)} but the model expects {list(mod.global_shape)}")
         tensors = [take(spec, mod.shard, slices[spec.name].__getitem__) for spec in QuantizedWeight.TENSORS]
@@ -308,7 +308,7 @@ def _read_quantized(f, path: str, name: str, entry: dict, mod: nn.Module) -> Qua
         raise FormatError(f"{path}: {name!r}: {err}") from None
 
 
-def _read_dense(f, key: str, mod: nn.Module | None, attr: str) -> torch.Tensor:
+def _read_dense(f, path: str, key: str, mod: nn.Module | None, attr: str) -> torch.Tensor:
     """A plain tensor: a split dense layer's weight (or a column-split bias) as its rows/columns."""
     if not isinstance(mod, (ParallelLinear, ParallelEschaLinear)) or attr not in ("weight", "bias"):
         return f.get_tensor(key)
@@ -318,8 +318,7 @@ def _read_dense(f, key: str, mod: nn.Module | None, attr: str) -> torch.Tensor:
     sl = f.get_slice(key)
     want = [mod.global_shape[0]] if attr == "bias" else list(mod.global_shape)
     if list(sl.get_shape()) != want:
-        from .model.errors import ModelError
-        raise ModelError(f"tensor {key!r} has shape {sl.get_shape()} but the model expects {want}")
+        raise ModelError(f"{path}: tensor {key!r} has shape {sl.get_shape()} but the model expects {want}")
     pieces = []
     for a, b in mod.shard.ranges:
         index = [slice(None)] * len(want)
@@ -340,7 +339,6 @@ def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device |
 
     from .io import _parse_meta, _read_header
     from .model.checkpoint import build_skeleton, meta_tensors, set_tensor, tie_output_embeddings
-    from .model.errors import ModelError
     from .model.loading import _has_module, _shards, install_escha_linears, read_quantization_config
 
     model_dir = os.fspath(model_dir)
@@ -378,7 +376,7 @@ def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device |
                 if key not in expected:
                     raise ModelError(f"{path}: tensor {key!r} does not belong to {type(model).__name__}")
                 owner, _, attr = key.rpartition(".")
-                t = _read_dense(f, key, model.get_submodule(owner) if owner else model, attr)
+                t = _read_dense(f, path, key, model.get_submodule(owner) if owner else model, attr)
                 set_tensor(model, key, (t.to(dtype) if t.is_floating_point() else t).to(device))
     tie_output_embeddings(model)
     missing = meta_tensors(model)
@@ -409,7 +407,6 @@ def _fingerprint(model_dir: str) -> str:
 
 def _agree(tp: TPGroup, mine: tuple[str | None, str | None], what: str) -> list:
     """Exchange (fingerprint, error) between the ranks; raise on every rank if any failed or differed."""
-    from .model.errors import ModelError
     every: list = [None] * tp.world_size
     dist.all_gather_object(every, mine, group=tp.group)
     failed = [(r, err) for r, (_, err) in enumerate(every) if err is not None]
