@@ -154,7 +154,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda (each rank takes cuda:LOCAL_RANK) or cpu (gloo)")
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model every split of which fits TP=2 (CPU smoke test)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer model every split of which fits TP=2 (CPU smoke test)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 40, as Qwen3-14B)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt", type=int, default=32)
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                            "escha.format.random_qweight; the same on every rank",
                 "machine": e2e.machine(device),
             }
-            print("ratios:", {k: {b: round(v, 3) for b, v in r.items()} for k, r in results["tokens_per_s_ratios"].items()})
+            ratios = results["tokens_per_s_ratios"]
+            print("ratios:", {k: {b: round(v, 3) for b, v in r.items()} for k, r in ratios.items()})
             if args.out:
                 e2e.write_results(results, args.out)
                 print(f"wrote {args.out}")

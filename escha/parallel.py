@@ -16,6 +16,7 @@ QuantizedWeights of the one checkpoint: no re-quantization, no per-degree files.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 from dataclasses import dataclass
@@ -405,10 +406,28 @@ def _fingerprint(model_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _agree(tp: TPGroup, mine: tuple[str | None, str | None], what: str) -> list:
+_CONTROL: dict = {}
+
+
+def _control_group(tp: TPGroup, timeout: datetime.timedelta | None) -> dist.ProcessGroup | None:
+    """A gloo group over the TP ranks for the loaders' bookkeeping.
+
+    Object collectives on NCCL need each rank's CUDA device set and end a timed-out rank by
+    aborting the process; on gloo they raise, so an error stays an exception on every rank.
+    """
+    if dist.get_backend(tp.group) == "gloo":
+        return tp.group
+    if tp.group not in _CONTROL:  # new_group is collective: every rank creates it at the same call
+        ranks = None if tp.group is None else dist.get_process_group_ranks(tp.group)
+        _CONTROL[tp.group] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    return _CONTROL[tp.group]
+
+
+def _agree(tp: TPGroup, mine: tuple[str | None, str | None], what: str,
+           timeout: datetime.timedelta | None = None) -> list:
     """Exchange (fingerprint, error) between the ranks; raise on every rank if any failed or differed."""
     every: list = [None] * tp.world_size
-    dist.all_gather_object(every, mine, group=tp.group)
+    dist.all_gather_object(every, mine, group=_control_group(tp, timeout))
     failed = [(r, err) for r, (_, err) in enumerate(every) if err is not None]
     prints = {fp for fp, _ in every if fp is not None}
     if len(prints) > 1:
@@ -422,7 +441,8 @@ def _agree(tp: TPGroup, mine: tuple[str | None, str | None], what: str) -> list:
 
 
 def load_model_parallel(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None) -> nn.Module:
+                        dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+                        timeout: datetime.timedelta | None = None) -> nn.Module:
     """``load_model`` for one rank of a tensor-parallel group (``escha.load_model`` calls it
     inside an initialised process group of more than one rank).
 
@@ -430,8 +450,9 @@ def load_model_parallel(model_dir: str | os.PathLike, device: torch.device | str
     the single-process model's results (up to the order of the all-reduce's sums). The ranks
     first check that they read the same checkpoint and finally that all of them loaded it; an
     error on any rank is raised on every rank (the failing rank raises its own), so none is left
-    waiting in a collective. Collectives use ``group``'s backend (on NCCL, set each rank's CUDA
-    device first) and time out after its timeout.
+    waiting in a collective. That exchange runs on gloo: on ``group`` itself when it is gloo
+    (its timeout applies), else on a gloo group over the same ranks made at the first call, which
+    waits ``timeout`` (None: torch's default, 30 minutes) for a rank that never arrives.
     """
     tp = TPGroup.current(group)
     model_dir = os.fspath(model_dir)
@@ -439,14 +460,14 @@ def load_model_parallel(model_dir: str | os.PathLike, device: torch.device | str
         fp, err = _fingerprint(model_dir), None
     except OSError as e:
         fp, err = None, f"{type(e).__name__}: {e}"
-    _agree(tp, (fp, err), model_dir)
+    _agree(tp, (fp, err), model_dir, timeout)
     model, failure = None, None
     try:
         model = load_local(model_dir, tp, device, dtype)
     except Exception as e:  # every rank must reach the agreement below, whatever went wrong
         failure = e
     try:
-        _agree(tp, (fp, None if failure is None else f"{type(failure).__name__}: {failure}"), model_dir)
+        _agree(tp, (fp, None if failure is None else f"{type(failure).__name__}: {failure}"), model_dir, timeout)
     except Exception:
         if failure is not None:
             raise failure from None

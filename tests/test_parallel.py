@@ -175,9 +175,11 @@ def test_two_ranks_match_the_single_process_model(checkpoints, ranks, i, kind):
         assert float((out["logits64"] - ref["logits64"]).abs().max()) <= 1e-12 * scale, (kind, rank)
     assert torch.equal(ranks["results"][0][i]["logits"], ranks["results"][1][i]["logits"])
     layers = {k.rpartition(".")[2]: v for k, v in ranks["results"][0][i]["layers"].items()}
-    want = {"qkv_proj": "Column", "gate_up_proj": "Column", "o_proj": "Row", "down_proj": "Row"} if kind == "phi3" else \
-        {"q_proj": "Column", "k_proj": "Column", "v_proj": "Column", "o_proj": "Row", "gate_proj": "Column",
-         "up_proj": "Column", "down_proj": "Row"}
+    if kind == "phi3":
+        want = {"qkv_proj": "Column", "gate_up_proj": "Column", "o_proj": "Row", "down_proj": "Row"}
+    else:
+        want = {"q_proj": "Column", "k_proj": "Column", "v_proj": "Column", "o_proj": "Row", "gate_proj": "Column",
+                "up_proj": "Column", "down_proj": "Row"}
     dense = {"v_proj", "down_proj"} if kind == "llama" else set()
     assert layers == {k: f"{v}Parallel{'' if k in dense else 'Escha'}Linear" for k, v in want.items()}
     if kind == "qwen3":  # a StaticCache sized per rank by transformers from the recorded plan
