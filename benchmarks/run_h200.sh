@@ -4,9 +4,10 @@
 #   ESCHA_GIT_SHA=<commit> benchmarks/run_h200.sh PHASE OUT_DIR
 # PHASE "kernels": GPU tests, decode and prefill benchmarks, compute-sanitizer.
 # PHASE "system":  escha bench (all arms), racecheck on a reduced grid.
+# PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels or system}
+phase=${1:?phase: kernels, system or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,6 +40,10 @@ case "$phase" in
     step bench_prefill 110 python -m escha.cli bench --arms "$ARMS" --m 512,2048,8192 --out "$out/bench_prefill"
     step racecheck 70 env ESCHA_SANITIZER_TOOLS=racecheck ESCHA_SANITIZER_GRID=small \
       benchmarks/run_sanitizer.sh "$out/sanitizer_racecheck_h200.txt"
+    ;;
+  tp)
+    step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \
+      --arms bf16-tp,escha-tp,escha-tp1,bf16-tp1 --out "$out/e2e_tp2_h200.json"
     ;;
 esac
 tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -411,3 +412,30 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
     full = e2e.model_shape(full_args)
     doc = e2e.summarize(arms, full_args, full, e2e.make_config(full), cpu)
     assert json.loads(json.dumps(doc))["config"]["rope_theta"] == 1_000_000.0 and doc["layers"] == 40
+
+
+# -- benchmarks/bench_e2e_tp.py -----------------------------------------------------------------
+def test_e2e_tp_ratios_and_arguments():
+    """The TP script's ratios and its refusals (the run itself needs torchrun: see its docstring)."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e_tp.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_tp", path)
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+
+    def rows(tokens_per_s):
+        return {"rows": [{"batch": b, "tokens_per_s": t} for b, t in zip((1, 8), tokens_per_s)]}
+
+    ratios = tp.comparisons({"bf16-tp": rows((10.0, 40.0)), "escha-tp": rows((20.0, 60.0)),
+                             "escha-tp1": rows((15.0, 30.0))})
+    assert ratios == {"escha_tp_over_bf16_tp": {"1": 2.0, "8": 1.5}, "escha_tp1_over_bf16_tp": {"1": 1.5, "8": 0.75},
+                      "escha_tp_over_escha_tp1": {"1": 20 / 15, "8": 2.0}}
+    with pytest.raises(SystemExit):
+        tp.main(["--arms", "escha-tp,fp8-tp"])
+    if "WORLD_SIZE" not in os.environ:
+        with pytest.raises(SystemExit):
+            tp.main(["--tiny", "--device", "cpu"])
+    # The tiny TP shape splits over two ranks: every split dimension holds two 128-blocks.
+    assert tp.TINY_TP["num_key_value_heads"] * tp.TINY_TP["head_dim"] == 256

@@ -6,6 +6,7 @@ from .codec import (decode_tiles, decode_trellis, dequantize, input_transform, m
 from .hadamard import block_hadamard, hadamard_matrix
 from .qweight import FormatError, QuantizedWeight
 from .random import random_qweight
+from .shard import ShardError, supported_degrees
 from .spec import FORMAT_NAME, FORMAT_VERSION, HAD_BLOCK, SUPPORTED_BITS, TILE, padded, words_per_tile
 
 __all__ = [
@@ -13,5 +14,5 @@ __all__ = [
     "decode_tiles", "decode_trellis", "dequantize", "input_transform", "output_transform",
     "matmul_reference", "row_scale", "block_hadamard", "hadamard_matrix", "FormatError",
     "QuantizedWeight", "random_qweight", "FORMAT_NAME", "FORMAT_VERSION", "HAD_BLOCK",
-    "SUPPORTED_BITS", "TILE", "padded", "words_per_tile",
+    "SUPPORTED_BITS", "TILE", "padded", "words_per_tile", "ShardError", "supported_degrees",
 ]

@@ -20,7 +20,9 @@ class TensorSpec:
 
     ``shape`` maps (Np, Kp, bits) to the tensor's shape; ``values`` names the rule its values
     follow ("any", "signs": each +1 or -1, "finite"); ``fill`` is the value of a placeholder
-    weight (a valid weight that loading replaces).
+    weight (a valid weight that loading replaces); ``axes`` says, for each axis, which weight
+    dimension it follows and how many weights one entry covers, ``(dim, weights)``, or None
+    (what a block-aligned slice of the weight takes from the tensor: escha.format.shard).
     """
 
     name: str
@@ -29,17 +31,19 @@ class TensorSpec:
     values: str
     fill: float
     meaning: str
+    axes: tuple[tuple[int, int] | None, ...]
 
 
 #: The five stored tensors, in file and argument order: the one declaration every reader,
 #: writer and kernel entry point derives from.
 WEIGHT_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("trellis", torch.int32, lambda np_, kp, bits: (np_ // TILE, kp // TILE, words_per_tile(bits)),
-               "any", 0, "each tile's 8*bits bitstream words (uint32 patterns)"),
-    TensorSpec("su", torch.int8, lambda np_, kp, bits: (np_,), "signs", 1, "output signs"),
-    TensorSpec("sv", torch.int8, lambda np_, kp, bits: (kp,), "signs", 1, "input signs"),
-    TensorSpec("scale", torch.float16, lambda np_, kp, bits: (np_,), "finite", 1, "per-output-channel scale c"),
-    TensorSpec("gscale", torch.float32, lambda np_, kp, bits: (1,), "finite", 1, "global scale g"),
+               "any", 0, "each tile's 8*bits bitstream words (uint32 patterns)", ((0, TILE), (1, TILE), None)),
+    TensorSpec("su", torch.int8, lambda np_, kp, bits: (np_,), "signs", 1, "output signs", ((0, 1),)),
+    TensorSpec("sv", torch.int8, lambda np_, kp, bits: (kp,), "signs", 1, "input signs", ((1, 1),)),
+    TensorSpec("scale", torch.float16, lambda np_, kp, bits: (np_,), "finite", 1, "per-output-channel scale c",
+               ((0, 1),)),
+    TensorSpec("gscale", torch.float32, lambda np_, kp, bits: (1,), "finite", 1, "global scale g", (None,)),
 )
 TENSOR_NAMES: tuple[str, ...] = tuple(s.name for s in WEIGHT_TENSORS)
 
@@ -136,6 +140,21 @@ class QuantizedWeight:
         return QuantizedWeight(**{k: v.to(device) for k, v in self.tensors().items()},
                                shape=self.shape, bits=self.bits,
                                codebook_id=self.codebook_id, had_block=self.had_block)
+
+    def shard(self, dim: int, rank: int, world_size: int, parts: Sequence[int] | None = None) -> "QuantizedWeight":
+        """Rank ``rank``'s slice of ``world_size`` along ``dim`` (0: output rows, 1: input columns).
+
+        The slice takes whole 128-blocks of the padded dimension, the same number on every rank,
+        so it is itself a valid weight with the same global scale (no re-quantization); its
+        logical size is the part of the original range inside its blocks (only the last rank's
+        can be shorter). ``parts`` splits a fused dimension part by part ([q | k | v]: each rank
+        holds its slice of every part, in order). Raises ``escha.format.shard.ShardError`` when
+        the blocks do not divide by ``world_size``. The result may share storage with ``self``.
+        """
+        from .shard import shard_plan, shard_shape, take
+        plan = shard_plan(self.shape, dim, rank, world_size, parts)
+        tensors = [take(spec, plan, getattr(self, spec.name).__getitem__) for spec in self.TENSORS]
+        return QuantizedWeight.trusted(tensors, shard_shape(self.shape, plan), self.bits, self.codebook_id)
 
     def __repr__(self) -> str:
         return (f"QuantizedWeight(shape={self.shape}, bits={self.bits}, codebook={self.codebook.name!r}, "

@@ -61,14 +61,20 @@ def _shards(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None) -> nn.Module:
+               dtype: torch.dtype | None = None, tensor_parallel: bool | None = None) -> nn.Module:
     """Load a directory written by ``escha quantize`` as a transformers model (eval mode).
 
     The model is built with meta parameters, its quantized Linears replaced by EschaLinear, then
     filled shard by shard. Plain tensors take ``dtype`` (default: the config's dtype, else
     float32); the Escha buffers keep the format's dtypes. ``.generate`` works for causal LMs.
+    Inside an initialised torch.distributed group of several ranks (``tensor_parallel`` None or
+    True), each rank loads only its tensor-parallel shards (``escha.parallel``).
     """
     from transformers import AutoConfig, GenerationConfig
+
+    from ..parallel import load_model_parallel, tensor_parallel_active
+    if tensor_parallel or (tensor_parallel is None and tensor_parallel_active()):
+        return load_model_parallel(model_dir, device, dtype)
 
     model_dir = os.fspath(model_dir)
     qc = read_quantization_config(model_dir)
