@@ -197,10 +197,8 @@ def machine(device: torch.device) -> dict:
     return info
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-128 model (CPU smoke test)")
+def common_arguments(ap: argparse.ArgumentParser, arms: str) -> argparse.ArgumentParser:
+    """The options this script shares with bench_e2e_tp.py (after its --device and --tiny)."""
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 40, as Qwen3-14B)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt", type=int, default=32)
@@ -208,10 +206,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--graphs", choices=("manual", "compile", "none"), default=None)
-    ap.add_argument("--arms", default="bf16,escha")
+    ap.add_argument("--arms", default=arms)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default=None)
     return ap
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-128 model (CPU smoke test)")
+    return common_arguments(ap, "bf16,escha")
 
 
 def summarize(arms: dict, args, shape: dict, config, device: torch.device) -> dict:

@@ -156,18 +156,8 @@ def parser() -> argparse.ArgumentParser:
                     help="cuda (each rank takes cuda:LOCAL_RANK) or cpu (gloo)")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-layer model every split of which fits TP=2 (CPU smoke test)")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 40, as Qwen3-14B)")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bits", type=int, default=2)
-    ap.add_argument("--graphs", choices=("manual", "compile", "none"), default=None)
-    ap.add_argument("--arms", default="bf16-tp,escha-tp,escha-tp1")
     ap.add_argument("--timeout", type=float, default=1800, help="collective timeout, seconds")
-    ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--out", default=None)
-    return ap
+    return e2e.common_arguments(ap, "bf16-tp,escha-tp,escha-tp1")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -336,22 +336,15 @@ def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device |
     rank's model can be built in any process, e.g. to inspect it.
     """
     from safetensors import safe_open
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     from .io import _parse_meta, _read_header
-    from .model.checkpoint import build_skeleton, meta_tensors, set_tensor, tie_output_embeddings
-    from .model.loading import _has_module, _shards, install_escha_linears, read_quantization_config
+    from .model.checkpoint import meta_tensors, set_tensor, tie_output_embeddings
+    from .model.loading import _has_module, _shards, escha_skeleton
 
     model_dir = os.fspath(model_dir)
-    qc = read_quantization_config(model_dir)
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    device = torch.device(device)
+    model, device = escha_skeleton(model_dir, device, dtype)
     files = _shards(model_dir)
-    model = build_skeleton(config)
-    install_escha_linears(model, qc["bits_map"], device="meta", dtype=dtype)
     placements = _prepare(model, tp)
     _skeleton_modules(model, placements, tp)
     expected = set(model.state_dict().keys())
@@ -480,14 +473,8 @@ def supported_tp_degrees(model: nn.Module | str | os.PathLike) -> list[int]:
     split over: every degree that divides each split dimension's 128-blocks (part by part for
     fused layers) and gives every rank whole attention heads."""
     if not isinstance(model, nn.Module):
-        from transformers import AutoConfig
-
-        from .model.checkpoint import build_skeleton
-        from .model.loading import install_escha_linears, read_quantization_config
-        model_dir = os.fspath(model)
-        qc = read_quantization_config(model_dir)
-        model = build_skeleton(AutoConfig.from_pretrained(model_dir, local_files_only=True))
-        install_escha_linears(model, qc["bits_map"], device="meta")
+        from .model.loading import escha_skeleton
+        model = escha_skeleton(os.fspath(model), "meta", None)[0]
     placements = plan_placements(model)
     degrees: set[int] | None = None
     for name, p in placements.items():

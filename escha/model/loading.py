@@ -60,6 +60,22 @@ def _shards(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
+def escha_skeleton(model_dir: str, device: torch.device | str, dtype: torch.dtype | None
+                   ) -> tuple[torch.nn.Module, torch.device]:
+    """The model of an escha checkpoint on the meta device, its quantized Linears already
+    EschaLinears at their K, in ``dtype`` (None: the config's); and ``device`` as a torch.device."""
+    from transformers import AutoConfig
+
+    qc = read_quantization_config(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = build_skeleton(config)
+    install_escha_linears(model, qc["bits_map"], device="meta", dtype=dtype)
+    return model, torch.device(device)
+
+
 def load_model(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
                dtype: torch.dtype | None = None, tensor_parallel: bool | None = None) -> nn.Module:
     """Load a directory written by ``escha quantize`` as a transformers model (eval mode).
@@ -70,21 +86,14 @@ def load_model(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
     Inside an initialised torch.distributed group of several ranks (``tensor_parallel`` None or
     True), each rank loads only its tensor-parallel shards (``escha.parallel``).
     """
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     from ..parallel import load_model_parallel, tensor_parallel_active
     if tensor_parallel or (tensor_parallel is None and tensor_parallel_active()):
         return load_model_parallel(model_dir, device, dtype)
 
     model_dir = os.fspath(model_dir)
-    qc = read_quantization_config(model_dir)
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    device = torch.device(device)
-    model = build_skeleton(config)
-    install_escha_linears(model, qc["bits_map"], device="meta", dtype=dtype)
+    model, device = escha_skeleton(model_dir, device, dtype)
     expected = set(model.state_dict().keys())
     for path in _shards(model_dir):
         for name, value in load_file(path, device).items():
