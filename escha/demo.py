@@ -23,9 +23,9 @@ def run(args: argparse.Namespace) -> int:
 
     w = sample_matrix(args.out_features, args.in_features, args.seed)
     t0 = time.perf_counter()
-    from escha.quant import stderr_progress
-    qw = escha.quantize(w, bits=args.bits, seed=args.seed, encoder=args.encoder,
-                        progress=stderr_progress("quantizing sample"))
+    # progress=None: a bar on a terminal when the encode takes more than a moment, and a note
+    # before one that takes long (a large --out-features on a CPU).
+    qw = escha.quantize(w, bits=args.bits, seed=args.seed, encoder=args.encoder, progress=None)
     t_quant = time.perf_counter() - t0
     mse = float((escha.dequantize(qw) - w).pow(2).mean() / w.pow(2).mean())
     print(f"sample: {list(w.shape)} i.i.d. N(0,1), K={args.bits}, {args.encoder} encoder, "
