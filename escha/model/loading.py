@@ -7,6 +7,7 @@ import os
 import torch
 from torch import nn
 
+from ..devices import resolve_device
 from ..format.qweight import QuantizedWeight
 from ..io import load_file
 from ..nn.linear import EschaLinear, replace_linear
@@ -60,23 +61,25 @@ def _shards(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def load_model(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
+def load_model(model_dir: str | os.PathLike, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None) -> nn.Module:
     """Load a directory written by ``escha quantize`` as a transformers model (eval mode).
 
     The model is built with meta parameters, its quantized Linears replaced by EschaLinear, then
-    filled shard by shard. Plain tensors take ``dtype`` (default: the config's dtype, else
-    float32); the Escha buffers keep the format's dtypes. ``.generate`` works for causal LMs.
+    filled shard by shard. ``device``: None puts it on CUDA when torch sees a GPU, else on the
+    CPU; a device this torch cannot use raises escha.devices.DeviceError (one line). Plain
+    tensors take ``dtype`` (default: the config's dtype, else float32); the Escha buffers keep
+    the format's dtypes. ``.generate`` works for causal LMs.
     """
     from transformers import AutoConfig, GenerationConfig
 
     model_dir = os.fspath(model_dir)
+    device = resolve_device(device)
     qc = read_quantization_config(model_dir)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     if dtype is None:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    device = torch.device(device)
     model = build_skeleton(config)
     install_escha_linears(model, qc["bits_map"], device="meta", dtype=dtype)
     expected = set(model.state_dict().keys())
