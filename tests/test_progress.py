@@ -21,12 +21,20 @@ def test_bar_when_asked(capsys):
     assert "escha.quantize: 100%" in err and "64/64" in err and "tile" in err
 
 
-def test_quiet_off_a_terminal_and_drawn_on_one(capsys, monkeypatch):
-    monkeypatch.setattr(qmod, "BAR_MIN_SECONDS", 0.0)  # any encode counts as long enough for a bar
+def _draws(progress, n_tiles: int) -> bool:
+    report = qmod._reporter(progress, (16, 128), n_tiles, 2, torch.device("cpu"), qmod.Encoder.VITERBI, True)
+    report.close()
+    return report.bar is not None
+
+
+def test_the_default_draws_only_on_a_terminal_and_for_long_encodes(capsys, monkeypatch):
     monkeypatch.setattr(qmod, "SLOW_SECONDS", math.inf)
-    quantize(W, 2, scale_search=None)
-    assert capsys.readouterr().err == ""  # the default off a terminal: nothing
+    assert not _draws(None, 100_000)  # off a terminal (capsys): never
+    assert _draws(True, 64) and not _draws(False, 100_000)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert _draws(None, 100_000) and not _draws(None, 16)  # on one: when estimated over 2 s
+    capsys.readouterr()
+    monkeypatch.setattr(qmod, "BAR_MIN_SECONDS", 0.0)  # a real encode, drawn as on a terminal
     quantize(W, 2, scale_search=None)
     err = capsys.readouterr().err
     assert "escha.quantize: 100%" in err and "64/64" in err
@@ -51,8 +59,8 @@ def test_slow_work_is_announced_before_it_starts(monkeypatch):
     assert "tiles/s" in msg and "an H200 takes" in msg
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowWorkWarning)
-        quantize(W, 2, scale_search=None, progress=False)  # False: no notice either
-        quantize(W, 2, encoder="greedy")  # the greedy encoder is fast: never announced
+        _draws(False, 100_000)  # False: no notice either
+        qmod._reporter(None, (16, 128), 100_000, 2, torch.device("cpu"), qmod.Encoder.GREEDY, True)  # never
 
 
 def test_bad_encoder_lists_the_valid_ones():

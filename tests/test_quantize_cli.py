@@ -66,54 +66,6 @@ def whole(single, fast, tmp_path_factory):
     return out, buf.getvalue()
 
 
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return dst
-
-
-def test_truncated_safetensors_is_named(single, fast, tmp_path):
-    bad = _copy(single, tmp_path / "cut")
-    data = (bad / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[:len(data) // 2])
-    line = assert_one_line_error(escha("quantize", str(bad), str(tmp_path / "out"), *fast),
-                                 "escha quantize: error: ", str(bad / "model.safetensors"), "truncated")
-    assert "tensor data ends at byte" in line
-
-
-def test_random_bytes_safetensors_is_named(single, fast, tmp_path):
-    bad = _copy(single, tmp_path / "noise")
-    (bad / "model.safetensors").write_bytes(os.urandom(4096))
-    assert_one_line_error(escha("quantize", str(bad), str(tmp_path / "out"), *fast),
-                          "escha quantize: error: ", str(bad / "model.safetensors"), "not a safetensors file")
-
-
-def test_nan_in_checkpoint_names_the_tensor(single, fast, tmp_path):
-    from safetensors.torch import load_file as st_load, save_file as st_save
-    bad = _copy(single, tmp_path / "nan")
-    tensors = st_load(str(bad / "model.safetensors"))
-    tensors["model.layers.1.mlp.down_proj.weight"][5, 9] = float("nan")
-    st_save(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    assert_one_line_error(escha("quantize", str(bad), str(tmp_path / "out"), *fast),
-                          "tensor 'model.layers.1.mlp.down_proj.weight'", "NaN at [5, 9]",
-                          str(bad / "model.safetensors"))
-
-
-@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA")
-def test_device_cuda_with_a_cpu_only_torch(single, fast, tmp_path):
-    assert_one_line_error(escha("quantize", str(single), str(tmp_path / "out"), "--device", "cuda", *fast),
-                          "escha quantize: error: --device cuda: this torch", "was built without CUDA")
-    from escha.devices import DeviceError
-    from escha.model import load_model
-    with pytest.raises(DeviceError, match="was built without CUDA") as e:
-        load_model(str(single), device="cuda")
-    assert "\n" not in str(e.value)
-
-
-def test_device_that_does_not_exist(single, fast, tmp_path):
-    assert_one_line_error(escha("quantize", str(single), str(tmp_path / "out"), "--device", "gpu", *fast),
-                          "escha quantize: error: --device 'gpu' is not a device; use cpu, cuda or cuda:N")
-
-
 # Ctrl-C arrives while layer 1 is being quantized: a real SIGINT, sent by the process to itself.
 INTERRUPT_AT_LAYER_1 = """
 import os, signal
@@ -125,11 +77,85 @@ def interrupted(linears, hessians, layer, *a, **k):
     return real(linears, hessians, layer, *a, **k)
 pipeline.quantize_linears = interrupted
 """
+CPU_ONLY = torch.version.cuda is None and torch.version.hip is None
 
 
-def test_ctrl_c_says_how_to_resume_and_the_rerun_gives_the_same_bytes(single, fast, whole, tmp_path):
-    out = tmp_path / "out"
-    res = escha("quantize", str(single), str(out), "--bits", "2", *fast, code=INTERRUPT_AT_LAYER_1)
+@pytest.fixture(scope="module")
+def runs(single, fast, tmp_path_factory):
+    """Every command-line error case, run in its own process, the processes side by side (each
+    spends most of its time importing): {case: (CompletedProcess, the directories involved)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file as st_load, save_file as st_save
+    root = tmp_path_factory.mktemp("errors")
+
+    def bad_copy(name, write):
+        d = root / name
+        shutil.copytree(single, d)
+        write(d / "model.safetensors")
+        return d
+
+    data = (single / "model.safetensors").read_bytes()
+    cut = bad_copy("cut", lambda f: f.write_bytes(data[:len(data) // 2]))
+    noise = bad_copy("noise", lambda f: f.write_bytes(os.urandom(4096)))
+    tensors = st_load(str(single / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][5, 9] = float("nan")
+    nan = bad_copy("nan", lambda f: st_save(tensors, str(f), metadata={"format": "pt"}))
+    text = root / "eval.txt"
+    text.write_text("calibration " * 400, encoding="utf-8")
+    out = lambda name: str(root / f"out-{name}")  # noqa: E731
+    cases = {
+        "truncated": (["quantize", str(cut), out("cut"), *fast], None, cut),
+        "random": (["quantize", str(noise), out("noise"), *fast], None, noise),
+        "nan": (["quantize", str(nan), out("nan"), *fast], None, nan),
+        "gpu": (["quantize", str(single), out("gpu"), "--device", "gpu", *fast], None, None),
+        "ctrl_c": (["quantize", str(single), out("ctrl_c"), "--bits", "2", *fast], INTERRUPT_AT_LAYER_1, None),
+        "eval_truncated": (["eval", str(cut), "--text", str(text)], None, cut),
+    }
+    if CPU_ONLY:
+        cases["cuda"] = (["quantize", str(single), out("cuda"), "--device", "cuda", *fast], None, None)
+        cases["eval_cuda"] = (["eval", str(single), "--text", str(text), "--device", "cuda"], None, None)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: pool.submit(escha, *args, code=code) for k, (args, code, _) in cases.items()}
+        return {k: (f.result(), cases[k][2], root / f"out-{k}") for k, f in futures.items()}
+
+
+def test_truncated_safetensors_is_named(runs):
+    for case, prog in (("truncated", "escha quantize"), ("eval_truncated", "escha eval")):
+        res, bad, _ = runs[case]
+        line = assert_one_line_error(res, f"{prog}: error: {bad / 'model.safetensors'}: ", "truncated")
+        assert "tensor data ends at byte" in line
+
+
+def test_random_bytes_safetensors_is_named(runs):
+    res, bad, _ = runs["random"]
+    assert_one_line_error(res, f"escha quantize: error: {bad / 'model.safetensors'}: ", "not a safetensors file")
+
+
+def test_nan_in_checkpoint_names_the_tensor(runs):
+    res, bad, _ = runs["nan"]
+    assert_one_line_error(res, f"escha quantize: error: {bad / 'model.safetensors'}: ",
+                          "tensor 'model.layers.1.mlp.down_proj.weight'", "NaN at [5, 9]")
+
+
+@pytest.mark.skipif(not CPU_ONLY, reason="this torch has CUDA")
+def test_device_cuda_with_a_cpu_only_torch(runs, single):
+    for case, prog in (("cuda", "escha quantize"), ("eval_cuda", "escha eval")):
+        assert_one_line_error(runs[case][0], f"{prog}: error: --device cuda: this torch", "was built without CUDA")
+    from escha.devices import DeviceError
+    from escha.model import load_model
+    with pytest.raises(DeviceError, match="was built without CUDA") as e:
+        load_model(str(single), device="cuda")
+    assert "\n" not in str(e.value)
+
+
+def test_device_that_does_not_exist(runs):
+    assert_one_line_error(runs["gpu"][0],
+                          "escha quantize: error: --device 'gpu' is not a device; use cpu, cuda or cuda:N")
+
+
+def test_ctrl_c_says_how_to_resume_and_the_rerun_gives_the_same_bytes(runs, single, fast, whole):
+    res, _, out = runs["ctrl_c"]
     line = assert_one_line_error(res, "escha quantize: interrupted: 1 finished layer(s) are kept in",
                                  "run the same command again to resume", status=130)
     assert str(out / ".partial") in line
@@ -220,22 +246,18 @@ def test_summary_sizes_ratio_and_bits_per_weight(single, whole):
     assert 2.0 < report["storage_bpw"] < report["checkpoint_bpw"]
 
 
-# The note comes before any work: the run is stopped where calibration would start.
-NOTE_THEN_STOP = """
-from escha.model import pipeline
-pipeline.SLOW_SECONDS = 0.0
-def stop(*a, **k):
-    raise KeyboardInterrupt
-pipeline.capture_inputs = stop
-"""
+def test_a_long_run_is_announced_before_it_starts(single, fast, tmp_path, monkeypatch, capsys):
+    from escha.model import pipeline
 
+    def stop(*a, **k):  # where calibration would start: the note must already be out
+        raise KeyboardInterrupt
 
-def test_a_long_run_is_announced_before_it_starts(single, fast, tmp_path):
+    monkeypatch.setattr(pipeline, "SLOW_SECONDS", 0.0)
+    monkeypatch.setattr(pipeline, "capture_inputs", stop)
     viterbi = [a for a in fast if a not in ("--encoder", "greedy", "--quiet")]  # greedy: never announced
-    res = escha("quantize", str(single), str(tmp_path / "out"), *viterbi, code=NOTE_THEN_STOP)
-    assert res.returncode == 130, res.stderr
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 2 and lines[0].startswith("escha quantize: note: "), res.stderr
+    assert cli_main(["quantize", str(single), str(tmp_path / "out"), *viterbi]) == 130
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("escha quantize: note: "), lines
     assert "encoding 14 Linears (" in lines[0] and "tiles at K=2) will take about" in lines[0]
     assert "on this CPU" in lines[0] and "an H200 takes" in lines[0] and "--device cuda" in lines[0]
     assert lines[1].startswith("escha quantize: interrupted: no layer was finished yet")
