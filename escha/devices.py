@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 #: Device types escha computes on: the CPU (reference codec, CPU encoder) and CUDA GPUs (Triton).
 DEVICE_TYPES = ("cpu", "cuda")
@@ -14,6 +15,13 @@ class DeviceError(ValueError):
 def default_device() -> str:
     """"cuda" when torch sees a CUDA GPU, else "cpu"."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (the CPU for an empty module)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def resolve_device(device: str | torch.device | None = None, what: str = "device") -> torch.device:

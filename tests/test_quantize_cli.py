@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -261,3 +262,19 @@ def test_a_long_run_is_announced_before_it_starts(single, fast, tmp_path, monkey
     assert "encoding 14 Linears (" in lines[0] and "tiles at K=2) will take about" in lines[0]
     assert "on this CPU" in lines[0] and "an H200 takes" in lines[0] and "--device cuda" in lines[0]
     assert lines[1].startswith("escha quantize: interrupted: no layer was finished yet")
+
+
+def test_a_long_gpu_run_is_announced_with_the_h200_rate(single, monkeypatch):
+    from escha.model import QuantizeOptions, pipeline
+    from escha.progress import SlowWorkWarning
+    model = transformers.AutoModelForCausalLM.from_pretrained(single)
+    linears = pipeline._targets(model, QuantizeOptions(device="cpu"))
+    opts = QuantizeOptions(bpw=2.5, device="cpu")
+    with pytest.warns(SlowWorkWarning, match=r"^encoding 14 Linears \(1,280 tiles at K=2/3\) will take about "
+                                            r".* at the H200's measured rate \(other GPUs differ\)"):
+        monkeypatch.setattr(pipeline, "GPU_SLOW_SECONDS", 0.0)
+        pipeline._notice_if_slow(linears, opts, torch.device("cuda"))  # an estimate: no GPU is used
+    monkeypatch.setattr(pipeline, "GPU_SLOW_SECONDS", 600.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowWorkWarning)
+        pipeline._notice_if_slow(linears, opts, torch.device("cuda"))  # a second or so: no note

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..devices import resolve_device
+from ..devices import model_device, resolve_device
 from ..progress import bar as progress_bar
 from .calib import max_positions, spread
 from .checkpoint import check_safetensors_files
@@ -99,13 +99,6 @@ def window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -
 def _forward_kwargs(model: nn.Module) -> dict:
     import inspect
     return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter or buffer (CPU for an empty module)."""
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..devices import resolve_device
+from ..devices import model_device, resolve_device
 from ..progress import bar as progress_bar
 from .calib import calibration_seq_len, read_calibration, tokenize
 from .checkpoint import find_layer_stack, is_tied_output
@@ -89,7 +89,7 @@ def _fake_quantize(model: nn.Module, quantize: WeightQuantizer, options: Quantiz
             bar.update(1)
         return
 
-    device = resolve_device(options.device)
+    device = resolve_device(options.device) if options.device is not None else model_device(model)
     texts = texts if texts is not None else read_calibration(options.calib)
     samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model),
                        calibration_seq_len(model.config, options.seq_len), options.max_samples)

@@ -29,7 +29,9 @@ class QuantizeOptions:
     calib: str | None = None  # UTF-8 text file; None = the shipped corpus (escha/model/data)
     skip: tuple[str, ...] = DEFAULT_SKIP  # module names or globs; the whole list (lm_head included)
     seed: int = 0
-    device: str | None = None  # None: CUDA when torch sees a GPU, else the CPU
+    # None: quantize_model uses CUDA when torch sees a GPU, else the CPU; quantize_module and
+    # fake_quantize_module the device the model is on.
+    device: str | None = None
     # 128 x 2048 = 262,144 calibration tokens: many times the widest Linear input of common
     # models (1536 in SmolLM2-135M, 17408 in Qwen3-14B), so that every H = E[x x^T] has full rank
     # and a stable spectrum; 2048 tokens reach the positions that long prompts use. Shortened to
@@ -56,7 +58,8 @@ class QuantizeOptions:
                 self.encoder = check_encoder(self.encoder).value
             except ValueError as e:
                 raise ModelError(str(e)) from None
-        self.device = str(resolve_device(self.device))
+        if self.device is not None:
+            self.device = str(resolve_device(self.device))
         self.torch_dtype  # validates the name
 
     @property

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..devices import resolve_device
+from ..devices import model_device, resolve_device
 from ..format.qweight import QuantizedWeight
 from ..nn.linear import EschaLinear, dense_linear, replace_linear
 from ..progress import SlowWorkWarning, bar, format_seconds
@@ -37,6 +37,7 @@ from .report import QuantizeReport
 from .store import PARTIAL_DIR, PartialStore, discard_partial
 
 TAIL = "tail"
+GPU_SLOW_SECONDS = 600.0  # on a GPU, runs estimated longer than this are announced
 Candidates = dict[str, dict[int, QuantizedWeight]]  # Linear name -> K -> its quantized weight
 
 
@@ -228,20 +229,24 @@ def _warn_unmatched_skip(model: nn.Module, options: QuantizeOptions) -> None:
 
 
 def _notice_if_slow(linears: list[tuple[str, nn.Module]], options: QuantizeOptions, device: torch.device) -> None:
-    """A SlowWorkWarning before encoding that the measured rates say will take long on a CPU."""
-    if device.type != "cpu" or options.encoder == "greedy" or not linears:
+    """A SlowWorkWarning before encoding that the measured rates say will take long: over a
+    minute on a CPU (pointing to a GPU), over GPU_SLOW_SECONDS on a GPU (the H200's rate)."""
+    if options.encoder == "greedy" or not linears:
         return
     tiles = sum(tile_count(tuple(m.weight.shape)) for _, m in linears)
+    gpu = sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
+    work = f"encoding {len(linears)} Linears ({tiles:,} tiles at K={'/'.join(map(str, options.candidates))})"
+    if device.type == "cuda":
+        if gpu >= GPU_SLOW_SECONDS:
+            warnings.warn(f"{work} will take about {format_seconds(gpu)} at the H200's measured rate "
+                          f"(other GPUs differ), calibration not included", SlowWorkWarning, stacklevel=3)
+        return
     threads = torch.get_num_threads()
     seconds = sum(estimate_seconds(tiles, k, device, threads=threads) for k in options.candidates)
-    if seconds < SLOW_SECONDS:
-        return
-    gpu = sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
-    ks = "/".join(str(k) for k in options.candidates)
-    warnings.warn(f"encoding {len(linears)} Linears ({tiles:,} tiles at K={ks}) will take about "
-                  f"{format_seconds(seconds)} on this CPU, calibration not included; an H200 takes "
-                  f"~{format_seconds(gpu)}: run on a machine with a CUDA GPU (--device cuda)",
-                  SlowWorkWarning, stacklevel=3)
+    if seconds >= SLOW_SECONDS:
+        warnings.warn(f"{work} will take about {format_seconds(seconds)} on this CPU, calibration not "
+                      f"included; an H200 takes ~{format_seconds(gpu)}: run on a machine with a CUDA GPU "
+                      f"(--device cuda)", SlowWorkWarning, stacklevel=3)
 
 
 def _finish_bits(run: _Run) -> dict[str, int]:
@@ -270,7 +275,7 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     """
     options = options or QuantizeOptions()
     t0 = time.perf_counter()
-    device = resolve_device(options.device)
+    device = resolve_device(options.device) if options.device is not None else model_device(model)
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))
     _warn_unmatched_skip(model, options)
     targets = _targets(model, options)
