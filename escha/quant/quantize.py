@@ -130,7 +130,13 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
     np_, kp = padded(W.shape[0]), padded(W.shape[1])
     n_tiles = np_ * kp // TILE_WEIGHTS
     dev = _pick_device(W, n_tiles, device)
-    report = _reporter(progress, tuple(W.shape), n_tiles, bits, dev, enc, scale_search is not None)
+    with _reporter(progress, tuple(W.shape), n_tiles, bits, dev, enc, scale_search is not None) as report:
+        return _encode_weight(W, bits, h, seed, cb, enc, damp, scale_search, dev, kp, report)
+
+
+def _encode_weight(W: torch.Tensor, bits: int, h: torch.Tensor | None, seed: int, cb, enc: Encoder, damp: float,
+                   scale_search: ScaleSearch | None, dev: torch.device, kp: int, report: "_Report") -> QuantizedWeight:
+    """quantize's work once its arguments are checked: incoherence, scale, (LDLQ +) encoding, packing."""
     inc = make_incoherent(W.detach().to(dev), seed)  # signs come from a CPU generator: device-independent
     target = inc.target
     table = cb.table(dev).float()
@@ -139,7 +145,6 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
     rms = float(target.pow(2).mean().sqrt())
     if rms == 0:  # all-zero weight: g = 0 reproduces it exactly, any walk will do
         states = torch.zeros((*tiles.shape[:2], TILE_WEIGHTS), dtype=torch.int64, device=dev)
-        report.close()
         return _assemble(W, inc, states, 0.0, bits, cb.id)
     table_rms = float(table.pow(2).mean().sqrt())
     search = scale_search if enc == Encoder.VITERBI else None  # the search ranks Viterbi errors
@@ -174,7 +179,6 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
         # float64 feedback on CPU (cheap there); float32 on GPU, where the trellis error dominates.
         ldlq(target.double() if dev.type == "cpu" else target, u, quantize_columns)
         states = torch.stack(col_states, dim=1)
-    report.close()
     return _assemble(W, inc, states, g, bits, cb.id)
 
 
@@ -198,6 +202,12 @@ class _Report:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+    def __enter__(self) -> "_Report":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # also when interrupted: the bar's line ends where the work stopped
 
 
 def _reporter(progress: bool | ProgressFn | None, shape: tuple[int, int], n_tiles: int, bits: int,
