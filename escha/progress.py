@@ -1,6 +1,7 @@
 """Progress bars (tqdm) on stderr, shown when someone is watching, and the slow-work notice."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -28,8 +29,17 @@ def bar(total: float | None, desc: str, progress: bool | None = None, unit: str 
     that logs stay short.
     """
     tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    # A terminal that reports no size (some pseudo-terminals) would hide the bar: 100 x 24 then.
+    width = {} if not tty else {"dynamic_ncols": True} if _columns() > 0 else {"ncols": 100, "nrows": 24}
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not wanted(progress),
-                mininterval=0.1 if tty else 5.0, dynamic_ncols=tty, **kwargs)
+                mininterval=0.1 if tty else 5.0, **width, **kwargs)
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def format_seconds(s: float) -> str:
