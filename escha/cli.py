@@ -45,7 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["demo"]:
         _interpret_without_gpu()
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # commands with something to say about it (quantize) catch it first
+        print(f"\nescha {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -64,10 +64,13 @@ def save_file(tensors: Mapping[str, QuantizedWeight | torch.Tensor], path: str |
                                 sort_keys=True)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # else the error would name the temporary file
+        raise FileNotFoundError(f"cannot write {path}: directory {folder} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=".escha-", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
         _st_save(flat, tmp, metadata=meta)
+        _sort_metadata(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
@@ -78,8 +81,33 @@ def save_file(tensors: Mapping[str, QuantizedWeight | torch.Tensor], path: str |
         raise
 
 
-def _read_header(path: str) -> dict:
-    """Check the safetensors framing ourselves so truncation gets a clear message."""
+def _sort_metadata(path: str) -> None:
+    """Rewrite the header of a fresh safetensors file with its metadata keys sorted, in place.
+
+    safetensors keeps the metadata in a hash map whose order changes from one process to the
+    next, so the same tensors would not always give the same bytes (a resumed quantization must
+    write the files an uninterrupted one writes). Reordering keys keeps the header's length; if
+    re-serializing the header as read does not give back its exact bytes, it is left alone.
+    """
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+        text = raw.rstrip(b" ")  # the header is padded with spaces to 8-byte alignment
+        header = json.loads(text)
+        dump = lambda h: json.dumps(h, separators=(",", ":"), ensure_ascii=False).encode()  # noqa: E731
+        meta = header.get("__metadata__")
+        if not isinstance(meta, dict) or dump(header) != text:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        new = dump(header)
+        if len(new) == len(text) and new != text:
+            f.seek(8)
+            f.write(new)
+
+
+def read_header(path: str) -> dict:
+    """The JSON header of a safetensors file, its framing checked first, so that a truncated or
+    foreign file gets a FormatError naming it rather than the library's terse message."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -87,13 +115,14 @@ def _read_header(path: str) -> dict:
             raise FormatError(f"{path}: {size} bytes is too short for a safetensors header")
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER or 8 + n > size:
-            raise FormatError(f"{path}: header length {n} does not fit a {size}-byte file (truncated?)")
+            raise FormatError(f"{path}: header length {n} does not fit a {size}-byte file "
+                              "(truncated, or not a safetensors file)")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{path}: header is not valid JSON ({e})") from None
+            raise FormatError(f"{path}: header is not valid JSON ({e}): not a safetensors file") from None
     if not isinstance(header, dict):
-        raise FormatError(f"{path}: header is not a JSON object")
+        raise FormatError(f"{path}: header is not a JSON object: not a safetensors file")
     ends = [v["data_offsets"][1] for k, v in header.items()
             if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
     if ends and 8 + n + max(ends) > size:
@@ -141,7 +170,7 @@ def load_file(path: str | os.PathLike, device: torch.device | str = "cpu") -> di
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file: {path}")
-    header = _read_header(path)
+    header = read_header(path)
     entries = _parse_meta(path, header)
     try:
         with safe_open(path, framework="pt", device="cpu") as f:

@@ -328,7 +328,7 @@ def _read_dense(f, path: str, key: str, mod: nn.Module | None, attr: str) -> tor
     return torch.cat(pieces, dim=dim).contiguous()
 
 
-def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device | str = "cpu",
+def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None) -> nn.Module:
     """Rank ``tp.rank``'s model: the split layers hold only their shards, read as byte ranges.
 
@@ -338,18 +338,20 @@ def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device |
     from safetensors import safe_open
     from transformers import GenerationConfig
 
-    from .io import _parse_meta, _read_header
+    from .io import _parse_meta, read_header
     from .model.checkpoint import meta_tensors, set_tensor, tie_output_embeddings
+    from .devices import resolve_device
     from .model.loading import _has_module, _shards, escha_skeleton
 
     model_dir = os.fspath(model_dir)
-    model, device = escha_skeleton(model_dir, device, dtype)
+    device = resolve_device(device)
+    model = escha_skeleton(model_dir, dtype)
     files = _shards(model_dir)
     placements = _prepare(model, tp)
     _skeleton_modules(model, placements, tp)
     expected = set(model.state_dict().keys())
     for path in files:
-        header = _read_header(path)
+        header = read_header(path)
         entries = _parse_meta(path, header)
         stored = set(header) - {"__metadata__"}
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -433,7 +435,7 @@ def _agree(tp: TPGroup, mine: tuple[str | None, str | None], what: str,
     return every
 
 
-def load_model_parallel(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
+def load_model_parallel(model_dir: str | os.PathLike, device: torch.device | str | None = None,
                         dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
                         timeout: datetime.timedelta | None = None) -> nn.Module:
     """``load_model`` for one rank of a tensor-parallel group (``escha.load_model`` calls it
@@ -474,7 +476,7 @@ def supported_tp_degrees(model: nn.Module | str | os.PathLike) -> list[int]:
     fused layers) and gives every rank whole attention heads."""
     if not isinstance(model, nn.Module):
         from .model.loading import escha_skeleton
-        model = escha_skeleton(os.fspath(model), "meta", None)[0]
+        model = escha_skeleton(os.fspath(model), None)
     placements = plan_placements(model)
     degrees: set[int] | None = None
     for name, p in placements.items():

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from escha.cli import main
 
@@ -36,6 +37,17 @@ def test_demo_runs_and_checks(capsys):
     out = capsys.readouterr().out
     assert "rate-distortion bound 0.0625" in out
     assert "PASS" in out
+    if not torch.cuda.is_available():  # the tests run kernels in the interpreter, as the demo does
+        assert "(torch.float16, M=3, path decode, its Triton kernel in Triton's CPU interpreter)" in out
+
+
+def test_demo_names_the_reference_path_when_kernels_cannot_run(capsys, monkeypatch):
+    from escha.kernels import common
+    monkeypatch.setattr(common, "_INTERPRETED", False)  # as on a CPU where Triton was imported first
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the kernels run")
+    assert main(["demo", "--out-features", "64", "--in-features", "96", "--m", "3", "--encoder", "greedy"]) == 0
+    assert "path reference, the PyTorch reference codec)" in capsys.readouterr().out
 
 
 def test_import_leaves_the_interpreter_choice_open():

@@ -86,6 +86,16 @@ def test_perplexity_matches_a_direct_computation(llama):
     assert res.perplexity == pytest.approx(math.exp(total / (3 * (SEQ - 1))), rel=1e-5)
 
 
+def test_progress_bar_when_asked(llama, capsys):
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+    ids = torch.randint(0, VOCAB, (4 * SEQ,), generator=torch.Generator().manual_seed(0))
+    perplexity(model, ids, SEQ, progress=True)
+    err = capsys.readouterr().err
+    assert "perplexity: 100%" in err and "4/4" in err and "window" in err
+    perplexity(model, ids, SEQ, progress=None)  # None: only on a terminal, and capsys is none
+    assert capsys.readouterr().err == ""
+
+
 def test_window_selection():
     assert window_starts(1000, 100) == ([i * 100 for i in range(10)], 10)
     assert window_starts(1099, 100, 3) == ([0, 300, 600], 10)  # floor(i * 10 / 3) = 0, 3, 6
@@ -139,7 +149,8 @@ def test_cli_json(llama, text):
     want = evaluate_dir(llama, text, SEQ, max_windows=5)
     assert data["perplexity"] == pytest.approx(want.perplexity, rel=1e-6)
     assert data["windows"] == 5 and data["seq_len"] == SEQ and data["tokens_from"] == "bytes"
-    assert "perplexity" not in res.stderr  # no progress bar when stdout is not a terminal
+    assert "perplexity" not in res.stderr  # no progress bar when stderr is not a terminal
+    assert data["device"] == "cpu"  # the default without a GPU
 
 
 @pytest.mark.parametrize("case, message", [
@@ -148,8 +159,8 @@ def test_cli_json(llama, text):
     ("short_text", "fewer than one window of --seq-len 64"),
     ("bad_seq_len", "--seq-len must be at least 2"),
     ("too_long", "exceeds the model's 128 positions"),
-    ("bad_device", "is not a torch device"),
-])
+    ("bad_device", "--device 'gpu0' is not a device; use cpu, cuda or cuda:N"),
+])  # a truncated checkpoint and --device cuda without CUDA: tests/test_quantize_cli.py
 def test_cli_errors(llama, text, tmp_path, case, message):
     short = tmp_path / "short.txt"
     short.write_text("too short", encoding="utf-8")

@@ -38,7 +38,7 @@ def test_registered():
 
 def test_from_pretrained_matches_load_model(quantized):
     hf = transformers.AutoModelForCausalLM.from_pretrained(quantized).eval()
-    ours = load_model(quantized)
+    ours = load_model(quantized, device="cpu")
     q = hf.model.layers[1].mlp.down_proj
     assert isinstance(q, EschaLinear) and q.bits == 3
     assert q.scale.dtype == torch.float16 and q.trellis.dtype == torch.int32

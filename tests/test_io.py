@@ -145,6 +145,27 @@ def test_save_errors(tmp_path):
     assert not list(tmp_path.iterdir())  # a failed save leaves nothing behind
 
 
+def test_save_into_a_missing_directory_names_the_path(tmp_path):
+    target = tmp_path / "no" / "such" / "w.safetensors"
+    with pytest.raises(FileNotFoundError, match=f"^cannot write {target}: directory {target.parent} does not exist$"):
+        escha.save_file({"w": random_qweight(16, 16)}, target)
+
+
+def test_same_tensors_same_bytes(tmp_path):
+    from escha.io import read_header
+    """safetensors orders metadata by a per-map hash seed; save_file sorts it, so the bytes repeat."""
+    qw = random_qweight(16, 16)
+    meta = {k: k.upper() for k in ("format", "alpha", "zeta", "mid", "b", "y")}
+    blobs = set()
+    for i in range(12):
+        escha.save_file({"w": qw, "b": torch.ones(3)}, tmp_path / f"{i}.safetensors", metadata=meta)
+        blobs.add((tmp_path / f"{i}.safetensors").read_bytes())
+    assert len(blobs) == 1
+    assert escha.load_file(tmp_path / "0.safetensors")["b"].tolist() == [1.0, 1.0, 1.0]
+    stored = read_header(str(tmp_path / "0.safetensors"))["__metadata__"]  # in file order
+    assert list(stored) == sorted(stored) and stored["zeta"] == "ZETA"
+
+
 def test_failed_save_keeps_old_file(tmp_path, monkeypatch):
     p = tmp_path / "a.safetensors"
     qw = random_qweight(16, 16)

@@ -214,7 +214,7 @@ def test_a_missing_shard_file_fails_on_every_rank(ranks):
 
 def test_a_failure_on_one_rank_reaches_the_others(ranks):
     own, other = _errors(ranks, 3)[1], _errors(ranks, 3)[0]
-    assert own["type"] == "RuntimeError" and "no-such-device" in own["message"]
+    assert own["type"] == "DeviceError" and "no-such-device" in own["message"]
     assert other["type"] == "ModelError" and other["message"].startswith("rank 1 of 2 failed to load")
     assert ranks["seconds"] < LAUNCH_TIMEOUT
 

@@ -97,15 +97,21 @@ def run(args: argparse.Namespace) -> int:
           f"clock {info.clock_hz / 1e9:.2f} GHz, copy {info.copy_bw / 1e12:.2f} TB/s (read+write)")
     arms = [make_arm(n) for n in args.arms]
 
-    def release(rows: list, skips: list) -> None:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        # Points finished so far survive a run that is stopped part-way.
-        report.write_json(out / "results.partial.json", {"rows": [report.row_to_json(r) for r in rows]})
+    from ..progress import bar
 
-    rows, skips = run_benchmark(args.shapes, args.m, arms, timer=GraphTimer(replays=args.replays),
-                                rounds=args.rounds, l2_bytes=info.l2_bytes, device="cuda",
-                                seed=args.seed, info=info, after_point=release)
+    with bar(len(args.shapes) * len(args.m), "bench", None, unit="point") as points:
+        def release(rows: list, skips: list) -> None:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            # Points finished so far survive a run that is stopped part-way.
+            report.write_json(out / "results.partial.json", {"rows": [report.row_to_json(r) for r in rows]})
+            points.update(1)
+
+        # Log lines go to stdout above the bar (which is on stderr, and only on a terminal).
+        rows, skips = run_benchmark(args.shapes, args.m, arms, timer=GraphTimer(replays=args.replays),
+                                    rounds=args.rounds, l2_bytes=info.l2_bytes, device="cuda",
+                                    seed=args.seed, info=info, after_point=release,
+                                    log=lambda line: points.write(line, file=sys.stdout))
     meta = report.build_meta(gpu=info.name, driver=info.driver, extra={
         "sms": info.sms, "l2_bytes": info.l2_bytes, "clock_hz": info.clock_hz,
         "copy_bw_bytes_per_s": info.copy_bw, "rounds": args.rounds, "replays": args.replays,

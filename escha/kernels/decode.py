@@ -61,7 +61,9 @@ def _decode_kernel(xq_ptr, tr_ptr, ws_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr,
         kb = s * STEPS + i
         kbc = tl.minimum(kb, NKB - 1)
         w = decode_block(tr_ptr, nb * (BN // 16), kbc * BKT, KT, BITS, BN, BKT, USE_PTX, ABLATION)
-        xb = tl.load(x_ptrs + kbc * BK, mask=x_mask & (kb < NKB), other=0.0)
+        # Past the last k-block no token row is live: the bound on m, not `x_mask & (kb < NKB)`
+        # (Triton 3.9's interpreter rejects a tensor mask combined with a scalar condition).
+        xb = tl.load(x_ptrs + kbc * BK, mask=m[None, :] < tl.where(kb < NKB, M, 0), other=0.0)
         acc = tl.dot(w, xb, acc)
     n = nb * BN + tl.arange(0, BN)[:, None]
     if FUSE_OUTPUT:

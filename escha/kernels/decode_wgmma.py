@@ -38,7 +38,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -47,6 +47,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from .common import check_codebook, check_operands, interpreted, output_tensor
 from .transforms import hadamard_input, hadamard_output
+from .triton_compat import tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
@@ -258,10 +259,10 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
     nbytes: gl.constexpr = x_desc.block_type.nbytes + FRAGS * w_desc.block_type.nbytes
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
-        tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        tma_async_load(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
         for f in gl.static_range(FRAGS):
-            tma.async_copy_global_to_shared(w_desc, [wrow0 + i * 16 + f * 8, 0], bars.index(i),
-                                            w_smem.index(i * FRAGS + f), pred=i < n)
+            tma_async_load(w_desc, [wrow0 + i * 16 + f * 8, 0], bars.index(i), w_smem.index(i * FRAGS + f),
+                           pred=i < n)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
@@ -283,10 +284,10 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
-        tma.async_copy_global_to_shared(x_desc, [row0, (kb0 + j) * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
+        tma_async_load(x_desc, [row0, (kb0 + j) * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
         for f in gl.static_range(FRAGS):
-            tma.async_copy_global_to_shared(w_desc, [wrow0 + j * 16 + f * 8, 0], bars.index(stage),
-                                            w_smem.index(stage * FRAGS + f), pred=j < n)
+            tma_async_load(w_desc, [wrow0 + j * 16 + f * 8, 0], bars.index(stage),
+                           w_smem.index(stage * FRAGS + f), pred=j < n)
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -380,6 +381,12 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
     if not runs_on(x.device, qw.bits):
         raise ValueError(f"decode_wgmma runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
                          f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
+    return _launch(x, qw, config, out)
+
+
+def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """Allocate and launch (operands already checked; compile_check calls it off the GPU)."""
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_wgmma_config(qw, m, x.device)

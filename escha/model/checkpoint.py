@@ -11,13 +11,37 @@ import os
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..format.qweight import FormatError
+from ..io import read_header
 from .errors import ModelError, UnsupportedModelError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
+def open_safetensors(path: str):
+    """``safe_open(path)``, or a ModelError naming the file when it is not a whole safetensors file."""
+    try:
+        read_header(path)  # truncated and foreign files get a message naming the file
+        return safe_open(path, framework="pt")
+    except FormatError as e:
+        raise ModelError(str(e)) from None
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def check_safetensors_files(model_dir: str) -> None:
+    """Check the framing of every .safetensors file in ``model_dir`` (headers only); a ModelError
+    names the first bad file."""
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            try:
+                read_header(os.path.join(model_dir, name))
+            except FormatError as e:
+                raise ModelError(str(e)) from None
 
 
 class CheckpointReader:
@@ -32,8 +56,8 @@ class CheckpointReader:
             raise FileNotFoundError(f"model directory not found: {self.dir}")
         if not os.path.isfile(os.path.join(self.dir, "config.json")):
             raise ModelError(f"{self.dir} has no config.json; expected a Hugging Face model directory")
-        self.key_to_file = self._index()
         self._handles: dict[str, object] = {}
+        self.key_to_file = self._index()
 
     def _index(self) -> dict[str, str]:
         index = os.path.join(self.dir, INDEX_NAME)
@@ -50,8 +74,8 @@ class CheckpointReader:
             return dict(weight_map)
         single = os.path.join(self.dir, SINGLE_NAME)
         if os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                return {k: SINGLE_NAME for k in f.keys()}
+            self._handles = {SINGLE_NAME: open_safetensors(single)}
+            return {k: SINGLE_NAME for k in self._handles[SINGLE_NAME].keys()}
         others = [f for f in os.listdir(self.dir) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
         hint = f" (found {', '.join(sorted(others))}: only safetensors checkpoints are read)" if others else ""
         raise FileNotFoundError(f"{self.dir} has neither {SINGLE_NAME} nor {INDEX_NAME}{hint}")
@@ -62,16 +86,27 @@ class CheckpointReader:
     def __contains__(self, key: str) -> bool:
         return key in self.key_to_file
 
+    def path(self, key: str) -> str:
+        """The file holding tensor ``key``."""
+        return os.path.join(self.dir, self.key_to_file[key])
+
+    def size_bytes(self) -> int:
+        """Bytes of the checkpoint's tensor files."""
+        return sum(os.path.getsize(os.path.join(self.dir, f)) for f in set(self.key_to_file.values()))
+
     def _handle(self, fname: str):
         if fname not in self._handles:
-            self._handles[fname] = safe_open(os.path.join(self.dir, fname), framework="pt")
+            self._handles[fname] = open_safetensors(os.path.join(self.dir, fname))
         return self._handles[fname]
 
     def get(self, key: str) -> torch.Tensor:
         """One tensor, on CPU, in its stored dtype."""
         if key not in self.key_to_file:
             raise ModelError(f"{self.dir}: checkpoint has no tensor {key!r}")
-        return self._handle(self.key_to_file[key]).get_tensor(key)
+        try:
+            return self._handle(self.key_to_file[key]).get_tensor(key)
+        except SafetensorError as e:
+            raise ModelError(f"{self.path(key)}: tensor {key!r} cannot be read ({e})") from None
 
     def shape(self, key: str) -> list[int]:
         """A tensor's shape, read from the header without loading its data."""
@@ -184,11 +219,23 @@ def load_tensors(model: nn.Module, names: list[str], reader: CheckpointReader, d
         if got != want:
             raise ModelError(f"{reader.dir}: tensor {key!r} has shape {got} but the model expects {want}")
         t = reader.get(key)
+        check_finite(t, f"{reader.path(key)}: tensor {key!r}")
         if t.is_floating_point():
             t = t.to(dtype)
         set_tensor(model, name, t.to(device))
         found[name] = key
     return found
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """A ModelError naming ``what`` and the first NaN/Inf position if a float tensor has any."""
+    if not t.is_floating_point():
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        kind = "NaN" if bool(torch.isnan(t[tuple(first)])) else "Inf"
+        raise ModelError(f"{what} has {int(bad.sum())} non-finite value(s); the first is {kind} at {first}")
 
 
 def meta_tensors(module: nn.Module) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from .. import quant
 from ..format.codec import dequantize
@@ -155,12 +156,12 @@ def measure(w: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor) -> tupl
 
 
 def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianCollector, layer: int,
-                     options: QuantizeOptions, progress=None
+                     options: QuantizeOptions, progress: tqdm | None = None
                      ) -> tuple[dict[str, dict[int, QuantizedWeight]], list[LinearStats]]:
     """Quantize each Linear at every candidate K; returns the weights and their statistics.
 
     The calibration Hessian goes to escha.quantize (LDLQ) unless ``options.use_hessian`` is off;
-    it always measures the proxy loss.
+    it always measures the proxy loss. ``progress`` advances by every tile encoded.
     """
     qws: dict[str, dict[int, QuantizedWeight]] = {}
     stats: list[LinearStats] = []
@@ -168,20 +169,37 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
     for name, mod in linears:
         t0 = time.perf_counter()
         w = mod.weight.detach()
+        try:
+            quant.check_weight(w, f"{name}.weight")
+        except ValueError as e:
+            raise ModelError(str(e)) from None
         h = hessians.hessian(name)
         st = LinearStats(name, layer, tuple(w.shape), hessian="used" if options.use_hessian else "off")
         qws[name] = {}
+        if progress is not None:
+            progress.set_postfix_str(name, refresh=False)
         for k in options.candidates:
             qw = quant.quantize(w, bits=k, hessian=h if options.use_hessian else None,
-                                seed=linear_seed(options.seed, name), **encoder)
+                                seed=linear_seed(options.seed, name), progress=_advance(progress), **encoder)
             st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = measure(w, qw, h)
             st.storage_bpw[k] = qw.bits_per_weight
             qws[name][k] = qw
         st.seconds = time.perf_counter() - t0
         stats.append(st)
-        if progress is not None:
-            progress.update(1, note=name)
     return qws, stats
+
+
+def _advance(progress: tqdm | None):
+    """escha.quantize's progress callback that moves ``progress`` by the tiles newly encoded;
+    False (nothing drawn, no notice) without a bar."""
+    if progress is None:
+        return False
+    last = [0]
+
+    def report(done: int, total: int) -> None:
+        progress.update(done - last[0])
+        last[0] = done
+    return report
 
 
 class Replay(nn.Module):

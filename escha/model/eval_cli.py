@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--max-windows", type=int, default=None, metavar="N",
                    help="evaluate N windows evenly spaced over the text (default: all)")
-    p.add_argument("--device", default="cpu", help="torch device (e.g. cuda)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--dtype", default="auto",
                    help="activation dtype: auto (the checkpoint's on a GPU, float32 on a CPU), bfloat16, ...")
     p.add_argument("--precision", choices=("fp8", "bf16"), default=None,
@@ -32,19 +33,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "longer than 64 tokens); ignored for plain checkpoints")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a line of text")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (drawn on stderr, only when stdout is a terminal)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (drawn on stderr, and only when stderr is a terminal)")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``escha eval``; returns the exit code (2 with a one-line message on bad input)."""
+    from ..devices import DeviceError
+    from ..format.qweight import FormatError
+    from ..progress import wanted
     from .errors import ModelError
     from .evaluate import evaluate_dir
 
-    # The bar goes to stderr, and only when a person watches: stdout on a terminal.
-    progress = not args.quiet and sys.stdout.isatty()
-    if not progress:
+    progress = False if args.quiet else None  # None: a bar when stderr is a terminal
+    if not wanted(progress):
         try:  # transformers' own loading bars, likewise
             from transformers.utils import logging as hf_logging
             hf_logging.disable_progress_bar()
@@ -54,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
         res = evaluate_dir(args.model_dir, args.text, args.seq_len, max_windows=args.max_windows,
                            device=args.device, dtype=args.dtype, precision=args.precision,
                            batch_size=args.batch_size, progress=progress)
-    except (ModelError, FileNotFoundError) as e:
+    except (ModelError, FormatError, DeviceError, FileNotFoundError) as e:
         print(f"escha eval: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"model_dir": args.model_dir, "text": args.text, "precision": args.precision,
-                          "device": args.device, **res.to_json()}))
+                          **res.to_json()}))
     else:
         note = " (UTF-8 bytes as tokens: the checkpoint has no tokenizer)" if res.tokens_from == "bytes" else ""
         print(f"perplexity {res.perplexity:.4f} over {res.predicted_tokens:,} predicted tokens "

@@ -27,9 +27,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from ..devices import model_device, resolve_device
+from ..progress import bar as progress_bar
 from .calib import max_positions, spread
+from .checkpoint import check_safetensors_files
 from .errors import ModelError
-from .progress import Progress
 
 PRECISIONS = ("fp8", "bf16")
 
@@ -51,6 +53,7 @@ class PerplexityResult:
     text_tokens: int
     tokens_from: str = "tokenizer"  # or "bytes" (the checkpoint has no tokenizer)
     seconds: float = 0.0
+    device: str = "cpu"  # where the model ran
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,16 +101,9 @@ def _forward_kwargs(model: nn.Module) -> dict:
     return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter or buffer (CPU for an empty module)."""
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 @torch.no_grad()
 def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, *, max_windows: int | None = None,
-               batch_size: int = 1, progress: bool = False, tokens_from: str = "tokenizer") -> PerplexityResult:
+               batch_size: int = 1, progress: bool | None = False, tokens_from: str = "tokenizer") -> PerplexityResult:
     """Perplexity of a causal LM over a 1-D token stream (windowing as in the module docstring).
 
     Args:
@@ -117,7 +113,7 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, *, max_
         max_windows: evaluate at most this many windows, evenly spaced; None for all.
         batch_size: windows per forward pass (memory only; the result does not depend on it
             beyond floating-point rounding).
-        progress: draw a progress bar on stderr.
+        progress: a progress bar on stderr: True, False, or None for "when stderr is a terminal".
         tokens_from: recorded in the result ("tokenizer" or "bytes").
     """
     if ids.dim() != 1:
@@ -130,23 +126,23 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, *, max_
     starts, available = window_starts(ids.numel(), seq_len, max_windows)
     device = model_device(model)
     extra = _forward_kwargs(model)
-    bar = Progress(len(starts), "perplexity", enabled=progress)
     total_nll, count = 0.0, 0
     t0 = time.perf_counter()
-    for b in range(0, len(starts), batch_size):
-        batch = torch.stack([ids[s:s + seq_len] for s in starts[b:b + batch_size]]).to(device)
-        logits = model(input_ids=batch, **extra).logits
-        for row in range(batch.shape[0]):  # one window at a time: float32 logits of a window only
-            lp = torch.log_softmax(logits[row, :-1].float(), dim=-1)
-            nll = -lp.gather(-1, batch[row, 1:, None]).squeeze(-1)
-            total_nll += float(nll.double().sum())
-            count += nll.numel()
-        del logits
-        bar.update(batch.shape[0], note=f"ppl {math.exp(total_nll / count):.3f}")
-    bar.close()
+    with progress_bar(len(starts), "perplexity", progress, unit="window") as bar:
+        for b in range(0, len(starts), batch_size):
+            batch = torch.stack([ids[s:s + seq_len] for s in starts[b:b + batch_size]]).to(device)
+            logits = model(input_ids=batch, **extra).logits
+            for row in range(batch.shape[0]):  # one window at a time: float32 logits of a window only
+                lp = torch.log_softmax(logits[row, :-1].float(), dim=-1)
+                nll = -lp.gather(-1, batch[row, 1:, None]).squeeze(-1)
+                total_nll += float(nll.double().sum())
+                count += nll.numel()
+            del logits
+            bar.set_postfix_str(f"ppl {math.exp(total_nll / count):.3f}", refresh=False)
+            bar.update(batch.shape[0])
     mean = total_nll / count
     return PerplexityResult(math.exp(mean), mean, count, len(starts), available, seq_len, ids.numel(),
-                            tokens_from, time.perf_counter() - t0)
+                            tokens_from, time.perf_counter() - t0, str(device))
 
 
 # -- model directories --------------------------------------------------------------------------
@@ -174,18 +170,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return dt
 
 
-def check_device(device: str | torch.device) -> torch.device:
-    """A usable torch device, or a one-line error (a bad name, or CUDA without a GPU)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise EvalInputError(f"--device {device!r} is not a torch device") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EvalInputError(f"--device {device} but torch sees no CUDA GPU")
-    return dev
-
-
-def load_for_eval(model_dir: str | os.PathLike, device: str | torch.device = "cpu",
+def load_for_eval(model_dir: str | os.PathLike, device: str | torch.device | None = None,
                   dtype: str | torch.dtype | None = "auto", precision: str | None = None):
     """(model in eval mode, tokenizer or None) for a plain HF causal LM or an escha-quantized one.
 
@@ -200,8 +185,9 @@ def load_for_eval(model_dir: str | os.PathLike, device: str | torch.device = "cp
         raise FileNotFoundError(f"{model_dir} has no config.json")
     if precision is not None and precision not in PRECISIONS:
         raise EvalInputError(f"--precision must be one of {PRECISIONS}, got {precision!r}")
-    device = check_device(device)
+    device = resolve_device(device, "--device")
     dt = resolve_dtype(dtype, device)
+    check_safetensors_files(model_dir)  # a truncated or foreign file is named, whichever loader runs
     if is_escha_dir(model_dir):
         from ..nn.linear import set_matmul_precision
         from .loading import load_model
@@ -220,10 +206,13 @@ def load_for_eval(model_dir: str | os.PathLike, device: str | torch.device = "cp
 
 
 def evaluate_dir(model_dir: str | os.PathLike, text_path: str | os.PathLike, seq_len: int = 2048, *,
-                 max_windows: int | None = None, device: str | torch.device = "cpu",
+                 max_windows: int | None = None, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = "auto", precision: str | None = None,
-                 batch_size: int = 1, progress: bool = False) -> PerplexityResult:
-    """Perplexity of the model in ``model_dir`` on the text file ``text_path`` (``escha eval``)."""
+                 batch_size: int = 1, progress: bool | None = False) -> PerplexityResult:
+    """Perplexity of the model in ``model_dir`` on the text file ``text_path`` (``escha eval``).
+
+    ``device`` None: CUDA when torch sees a GPU, else the CPU.
+    """
     if seq_len < 2:
         raise EvalInputError(f"--seq-len must be at least 2, got {seq_len}")
     text = read_text(text_path)

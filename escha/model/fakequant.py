@@ -13,12 +13,14 @@ from typing import Callable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
+from ..devices import model_device, resolve_device
+from ..progress import bar as progress_bar
 from .calib import calibration_seq_len, read_calibration, tokenize
 from .checkpoint import find_layer_stack, is_tied_output
 from .engine import HessianCollector, capture_inputs, run_tail, target_linears
 from .options import QuantizeOptions
-from .progress import Progress
 
 # quantize(name, W float32 [out, in], H float32 [in, in] or None) -> W_hat [out, in]
 WeightQuantizer = Callable[[str, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -60,25 +62,34 @@ def fake_quantize_module(model: nn.Module, quantize: WeightQuantizer, options: Q
     without it, every weight is passed with ``H = None`` and no calibration runs. Tied output
     embeddings are left alone, as escha leaves them.
     """
-    from .pipeline import is_causal
-
     options = options or QuantizeOptions()
     t0 = time.perf_counter()
     report = FakeQuantReport()
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))
     all_targets = [(n, m) for n, m in target_linears(model, "", options.skip) if not is_tied_output(model, n)]
     report.params = sum(m.weight.numel() for _, m in all_targets)
-    bar = Progress(len(all_targets), "fake-quantize", enabled=options.progress)
+    with progress_bar(len(all_targets), "fake-quantize", options.progress, unit="linear") as bar:
+        _fake_quantize(model, quantize, options, tokenizer, texts, use_hessian, report, stack_name, stack,
+                       all_targets, bar)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _fake_quantize(model: nn.Module, quantize: WeightQuantizer, options: QuantizeOptions, tokenizer,
+                   texts: list[str] | None, use_hessian: bool, report: FakeQuantReport, stack_name: str,
+                   stack: nn.ModuleList, all_targets: list[tuple[str, nn.Module]], bar: tqdm) -> None:
+    """fake_quantize_module's work, advancing ``bar`` by one per Linear."""
+    from .pipeline import is_causal
+
     if not use_hessian:
         for name, mod in all_targets:
+            bar.set_postfix_str(name, refresh=False)
             _replace(mod, quantize(name, mod.weight.detach().float(), None))
             report.proxy_rel[name] = float("nan")
-            bar.update(1, note=name)
-        bar.close()
-        report.seconds = time.perf_counter() - t0
-        return report
+            bar.update(1)
+        return
 
-    device = torch.device(options.device)
+    device = resolve_device(options.device) if options.device is not None else model_device(model)
     texts = texts if texts is not None else read_calibration(options.calib)
     samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model),
                        calibration_seq_len(model.config, options.seq_len), options.max_samples)
@@ -91,7 +102,8 @@ def fake_quantize_module(model: nn.Module, quantize: WeightQuantizer, options: Q
             w_hat = quantize(name, w, h).float().to(w.device)
             report.proxy_rel[name] = _rel(w, w_hat, h)
             _replace(mod, w_hat)
-            bar.update(1, note=name)
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
 
     calib = capture_inputs(model, stack[0], samples.samples, device)
     for i, layer in enumerate(stack):
@@ -106,6 +118,3 @@ def fake_quantize_module(model: nn.Module, quantize: WeightQuantizer, options: Q
     tail = [(n, m) for n, m in all_targets if not n.startswith(stack_name + ".")]
     if tail:
         quantize_group(tail, run_tail(model, stack, calib, samples.samples, device, tail))
-    bar.close()
-    report.seconds = time.perf_counter() - t0
-    return report

@@ -7,6 +7,7 @@ import os
 import torch
 from torch import nn
 
+from ..devices import resolve_device
 from ..format.qweight import QuantizedWeight
 from ..io import load_file
 from ..nn.linear import EschaLinear, replace_linear
@@ -60,10 +61,9 @@ def _shards(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def escha_skeleton(model_dir: str, device: torch.device | str, dtype: torch.dtype | None
-                   ) -> tuple[torch.nn.Module, torch.device]:
+def escha_skeleton(model_dir: str, dtype: torch.dtype | None) -> nn.Module:
     """The model of an escha checkpoint on the meta device, its quantized Linears already
-    EschaLinears at their K, in ``dtype`` (None: the config's); and ``device`` as a torch.device."""
+    EschaLinears at their K, in ``dtype`` (None: the config's)."""
     from transformers import AutoConfig
 
     qc = read_quantization_config(model_dir)
@@ -73,16 +73,18 @@ def escha_skeleton(model_dir: str, device: torch.device | str, dtype: torch.dtyp
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = build_skeleton(config)
     install_escha_linears(model, qc["bits_map"], device="meta", dtype=dtype)
-    return model, torch.device(device)
+    return model
 
 
-def load_model(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
+def load_model(model_dir: str | os.PathLike, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None, tensor_parallel: bool | None = None) -> nn.Module:
     """Load a directory written by ``escha quantize`` as a transformers model (eval mode).
 
     The model is built with meta parameters, its quantized Linears replaced by EschaLinear, then
-    filled shard by shard. Plain tensors take ``dtype`` (default: the config's dtype, else
-    float32); the Escha buffers keep the format's dtypes. ``.generate`` works for causal LMs.
+    filled shard by shard. ``device``: None puts it on CUDA when torch sees a GPU (the current
+    device), else on the CPU; a device this torch cannot use raises escha.devices.DeviceError
+    (one line). Plain tensors take ``dtype`` (default: the config's dtype, else float32); the
+    Escha buffers keep the format's dtypes. ``.generate`` works for causal LMs.
     Inside an initialised torch.distributed group of several ranks (``tensor_parallel`` None or
     True), each rank loads only its tensor-parallel shards (``escha.parallel``).
     """
@@ -90,10 +92,12 @@ def load_model(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
 
     from ..parallel import load_model_parallel, tensor_parallel_active
     if tensor_parallel or (tensor_parallel is None and tensor_parallel_active()):
+        # The device is resolved inside the ranks' agreement, so a bad one fails every rank.
         return load_model_parallel(model_dir, device, dtype)
 
     model_dir = os.fspath(model_dir)
-    model, device = escha_skeleton(model_dir, device, dtype)
+    device = resolve_device(device)
+    model = escha_skeleton(model_dir, dtype)
     expected = set(model.state_dict().keys())
     for path in _shards(model_dir):
         for name, value in load_file(path, device).items():

@@ -6,9 +6,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..devices import resolve_device
+from ..quant.quantize import check_encoder
 from .errors import ModelError
 
 ALLOWED_BITS = (2, 3)
+# Left unquantized unless asked: the output head (its error reaches the logits undamped, and a
+# tied head shares the embeddings, which stay full size anyway).
+DEFAULT_SKIP = ("lm_head",)
 
 
 @dataclass
@@ -22,9 +27,11 @@ class QuantizeOptions:
     bits: int | None = 2
     bpw: float | None = None
     calib: str | None = None  # UTF-8 text file; None = the shipped corpus (escha/model/data)
-    skip: tuple[str, ...] = ("lm_head",)
+    skip: tuple[str, ...] = DEFAULT_SKIP  # module names or globs; the whole list (lm_head included)
     seed: int = 0
-    device: str = "cpu"
+    # None: quantize_model uses CUDA when torch sees a GPU, else the CPU; quantize_module and
+    # fake_quantize_module the device the model is on.
+    device: str | None = None
     # 128 x 2048 = 262,144 calibration tokens: many times the widest Linear input of common
     # models (1536 in SmolLM2-135M, 17408 in Qwen3-14B), so that every H = E[x x^T] has full rank
     # and a stable spectrum; 2048 tokens reach the positions that long prompts use. Shortened to
@@ -34,7 +41,7 @@ class QuantizeOptions:
     encoder: str | None = None  # escha.quantize's encoder ("viterbi", "greedy"); None = its default
     use_hessian: bool = True  # pass calibration Hessians to the encoder (LDLQ)
     dtype: str = "float32"  # compute dtype of the calibration forward passes
-    progress: bool = True
+    progress: bool | None = None  # a bar on stderr: None = when stderr is a terminal
 
     def __post_init__(self) -> None:
         self.skip = tuple(s for s in self.skip if s)
@@ -46,6 +53,13 @@ class QuantizeOptions:
             raise ModelError(f"--bits must be one of {ALLOWED_BITS}, got {self.bits!r}")
         if self.seq_len < 2 or self.max_samples < 1:
             raise ModelError("seq_len must be >= 2 and max_samples >= 1")
+        if self.encoder is not None:
+            try:
+                self.encoder = check_encoder(self.encoder).value
+            except ValueError as e:
+                raise ModelError(str(e)) from None
+        if self.device is not None:
+            self.device = str(resolve_device(self.device))
         self.torch_dtype  # validates the name
 
     @property

@@ -87,6 +87,7 @@ def write_output(out_dir: str, model_dir: str, reader: CheckpointReader, store: 
         tensors.update({name: by_k[bits_map[name]] for name, by_k in qws.items()})
         write(i + 2, tensors)
     _write_json(os.path.join(out_dir, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    report.output_bytes = total
     for fname in COPY_FILES:
         src = os.path.join(model_dir, fname)
         if os.path.isfile(src):
@@ -99,9 +100,14 @@ def write_output(out_dir: str, model_dir: str, reader: CheckpointReader, store: 
     store.remove()
 
 
+def is_output_file(fname: str) -> bool:
+    """Whether ``fname`` is one of the files write_output puts in OUT_DIR (or its temporary files)."""
+    return (fname.endswith(".safetensors") or fname in COPY_FILES or fname in ("config.json", INDEX_NAME, REPORT_NAME)
+            or (fname.startswith(".escha-") and fname.endswith(".tmp")) or fname.endswith(".json.tmp"))
+
+
 def clear_output(out_dir: str) -> None:
     """Remove a previous model from OUT_DIR (``--overwrite``); other files are left alone."""
     for fname in os.listdir(out_dir):
-        if (fname.endswith(".safetensors") or fname in COPY_FILES
-                or fname in ("config.json", INDEX_NAME, REPORT_NAME)):
+        if is_output_file(fname):
             os.unlink(os.path.join(out_dir, fname))

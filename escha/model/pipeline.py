@@ -12,25 +12,32 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
+from ..devices import model_device, resolve_device
 from ..format.qweight import QuantizedWeight
 from ..nn.linear import EschaLinear, dense_linear, replace_linear
+from ..progress import SlowWorkWarning, bar, format_seconds
+from ..quant import estimate_seconds, tile_count
+from ..quant.quantize import SLOW_SECONDS
 from .allocate import allocate_bits
 from .calib import calibration_seq_len, read_calibration, text_digest, tokenize
 from .checkpoint import (CheckpointReader, build_skeleton, find_layer_stack, is_tied_output,
                          load_tensors, meta_tensors, set_tensor, tie_output_embeddings)
-from .engine import Calibration, HessianCollector, capture_inputs, quantize_linears, run_tail, target_linears
+from .engine import (Calibration, HessianCollector, capture_inputs, quantize_linears, run_tail, skip_matches,
+                     target_linears)
 from .errors import ModelError
-from .options import LinearStats, QuantizeOptions
-from .progress import Progress
+from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions
 from .report import QuantizeReport
-from .store import PartialStore, discard_partial
+from .store import PARTIAL_DIR, PartialStore, discard_partial
 
 TAIL = "tail"
+GPU_SLOW_SECONDS = 600.0  # on a GPU, runs estimated longer than this are announced
 Candidates = dict[str, dict[int, QuantizedWeight]]  # Linear name -> K -> its quantized weight
 
 
@@ -53,7 +60,7 @@ class _Run:
     stack: nn.ModuleList
     options: QuantizeOptions
     device: torch.device
-    progress: Progress
+    progress: tqdm  # counts tiles, every candidate K: tile_count(shape) * len(options.candidates)
     stats: list[LinearStats] = field(default_factory=list)
     layer_seconds: dict[int, float] = field(default_factory=dict)
     resumed: list[int] = field(default_factory=list)
@@ -159,7 +166,9 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
         if stored is not None:
             qws, stats = stored
             run.resumed.append(index)
-            run.progress.update(len(linears), note=f"{note} (resumed)", skipped=True)
+            # Resumed work leaves the bar's total, so that its rate and time left count new work only.
+            run.progress.total -= _tiles(linears, run.options)
+            run.progress.set_postfix_str(f"{len(run.resumed)} layer(s) resumed", refresh=True)
         else:
             qws, stats = quantize()
             source.keep(key, linears, qws, stats)
@@ -200,8 +209,44 @@ def _quantize_tail(run: _Run, calib: Calibration, samples, tail):
     return quantize_linears(tail, collector, len(run.stack), run.options, run.progress)
 
 
-def _target_count(model: nn.Module, skip: tuple[str, ...]) -> int:
-    return sum(1 for _ in target_linears(model, "", skip))
+def _tiles(linears: list[tuple[str, nn.Module]], options: QuantizeOptions) -> int:
+    """Tiles the encoder processes for these Linears: every tile once per candidate K."""
+    return sum(tile_count(tuple(m.weight.shape)) for _, m in linears) * len(options.candidates)
+
+
+def _targets(model: nn.Module, options: QuantizeOptions) -> list[tuple[str, nn.Module]]:
+    """Every Linear the run quantizes (the tied output embedding is left as it is)."""
+    return [(n, m) for n, m in target_linears(model, "", options.skip) if not is_tied_output(model, n)]
+
+
+def _warn_unmatched_skip(model: nn.Module, options: QuantizeOptions) -> None:
+    """Warn about each skip pattern of the user's that matches no Linear (a typo skips nothing)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for pattern in options.skip:
+        if pattern not in DEFAULT_SKIP and not any(skip_matches(n, (pattern,)) for n in names):
+            warnings.warn(f"skip pattern {pattern!r} matches no Linear of {type(model).__name__} "
+                          f"(e.g. {names[0] if names else 'none'})", UserWarning, stacklevel=3)
+
+
+def _notice_if_slow(linears: list[tuple[str, nn.Module]], options: QuantizeOptions, device: torch.device) -> None:
+    """A SlowWorkWarning before encoding that the measured rates say will take long: over a
+    minute on a CPU (pointing to a GPU), over GPU_SLOW_SECONDS on a GPU (the H200's rate)."""
+    if options.encoder == "greedy" or not linears:
+        return
+    tiles = sum(tile_count(tuple(m.weight.shape)) for _, m in linears)
+    gpu = sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
+    work = f"encoding {len(linears)} Linears ({tiles:,} tiles at K={'/'.join(map(str, options.candidates))})"
+    if device.type == "cuda":
+        if gpu >= GPU_SLOW_SECONDS:
+            warnings.warn(f"{work} will take about {format_seconds(gpu)} at the H200's measured rate "
+                          f"(other GPUs differ), calibration not included", SlowWorkWarning, stacklevel=3)
+        return
+    threads = torch.get_num_threads()
+    seconds = sum(estimate_seconds(tiles, k, device, threads=threads) for k in options.candidates)
+    if seconds >= SLOW_SECONDS:
+        warnings.warn(f"{work} will take about {format_seconds(seconds)} on this CPU, calibration not "
+                      f"included; an H200 takes ~{format_seconds(gpu)}: run on a machine with a CUDA GPU "
+                      f"(--device cuda)", SlowWorkWarning, stacklevel=3)
 
 
 def _finish_bits(run: _Run) -> dict[str, int]:
@@ -230,18 +275,19 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     """
     options = options or QuantizeOptions()
     t0 = time.perf_counter()
-    device = torch.device(options.device)
+    device = resolve_device(options.device) if options.device is not None else model_device(model)
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))
+    _warn_unmatched_skip(model, options)
+    targets = _targets(model, options)
+    _notice_if_slow(targets, options, device)
     texts = texts if texts is not None else read_calibration(options.calib)
     samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model),
                        calibration_seq_len(model.config, options.seq_len), options.max_samples)
-    progress = Progress(_target_count(model, options.skip), "quantize", enabled=options.progress)
-    run = _Run(model, stack_name, stack, options, device, progress)
     source = InMemory()
-    with torch.no_grad():
+    with bar(_tiles(targets, options), "quantize", options.progress, unit="tile") as progress, torch.no_grad():
+        run = _Run(model, stack_name, stack, options, device, progress)
         calib = capture_inputs(model, stack[0], samples.samples, device)
         _quantize_stack(run, calib, samples.samples, source)
-    progress.close()
     bits_map = _finish_bits(run)
     # The final modules: EschaLinears at the chosen K, keeping the original biases.
     run.install(source.linears, source.candidates, bits_map, dense=False)
@@ -281,15 +327,21 @@ def _to_device(module: nn.Module, prefix: str, root: nn.Module, device: torch.de
 
 
 def _check_out_dir(model_dir: str, out_dir: str, overwrite: bool) -> None:
+    from .output import clear_output, is_output_file
     if os.path.abspath(model_dir) == os.path.abspath(out_dir):
         raise ModelError("OUT_DIR must differ from MODEL_DIR")
     if os.path.isdir(out_dir):
-        present = [f for f in os.listdir(out_dir) if f != ".partial"]
+        present = [f for f in os.listdir(out_dir) if f != PARTIAL_DIR]
+        if (present and os.path.isdir(os.path.join(out_dir, PARTIAL_DIR)) and "config.json" not in present
+                and all(is_output_file(f) for f in present)):
+            # A run stopped while assembling the output (config.json comes last): its files are
+            # rewritten from the partial results.
+            clear_output(out_dir)
+            present = []
         if present and not overwrite:
             raise ModelError(f"{out_dir} is not empty ({', '.join(sorted(present)[:4])}...); "
                              "choose a new directory or pass --overwrite")
         if present:
-            from .output import clear_output
             clear_output(out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
@@ -314,7 +366,8 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     config = _load_config(model_dir)
     model = build_skeleton(config)
     stack_name, stack = find_layer_stack(model, getattr(config, "num_hidden_layers", None))
-    device, dtype = torch.device(options.device), options.torch_dtype
+    _warn_unmatched_skip(model, options)
+    device, dtype = resolve_device(options.device), options.torch_dtype
     names = list(model.state_dict().keys())
     buffers = {n for n, _ in model.named_buffers()}
     in_stack = lambda n: n.startswith(stack_name + ".")  # noqa: E731
@@ -323,6 +376,7 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     shell = [n for n in names if not in_stack(n)]
     shell_keys = load_tensors(model, shell, reader, device, dtype, optional=buffers | tied)
     tie_output_embeddings(model)
+    checkpoint_params = sum(p.numel() for p in model.parameters())  # a tied head counts once
     missing = [n for n in meta_tensors(model) if not in_stack(n)]
     if missing:
         raise ModelError(f"{model_dir}: checkpoint lacks {missing[:4]}")
@@ -338,15 +392,20 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         "model": os.path.abspath(model_dir), "calib": text_digest(texts), "escha": __version__,
         "calib_source": samples.source}))
 
-    progress = Progress(_target_count(model, options.skip), "quantize", enabled=options.progress)
-    run = _Run(model, stack_name, stack, options, device, progress)
-    with torch.no_grad():
+    targets = _targets(model, options)
+    # The notice counts the work left: layers (and a tail) an earlier run finished are resumed.
+    finished = tuple(f"{stack_name}.{i}." for i in range(len(stack)) if store.has(layer_key(i)))
+    left = [(n, m) for n, m in targets
+            if not (finished and n.startswith(finished)) and (in_stack(n) or not store.has(TAIL))]
+    _notice_if_slow(left, options, device)
+    with bar(_tiles(targets, options), "quantize", options.progress, unit="tile") as progress, torch.no_grad():
+        run = _Run(model, stack_name, stack, options, device, progress)
         calib = capture_inputs(model, stack[0], samples.samples, device)
         tail = _quantize_stack(run, calib, samples.samples, Streamed(model, reader, store, device, dtype))
-    progress.close()
     bits_map = _finish_bits(run)
     report = _report(run, bits_map, {"source": samples.source, "samples": len(samples.samples),
                                      "tokens": samples.tokens, "file": options.calib}, t0)
+    report.input_bytes, report.checkpoint_params = reader.size_bytes(), checkpoint_params
     quantized = {f"{s.name}.weight" for s in run.stats}
     shell_raw = {n: k for n, k in shell_keys.items() if n not in quantized and n not in tied}
     write_output(out_dir, model_dir, reader, store, shell_raw, len(stack), TAIL if tail else None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..progress import format_bytes
 from .options import LinearStats
 
 
@@ -20,6 +21,11 @@ class QuantizeReport:
     calibration: dict = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     total_seconds: float = 0.0
+    # Whole checkpoints only (quantize_model): bytes of the input and output tensor files and
+    # the number of parameters of the model, quantized or not.
+    input_bytes: int | None = None
+    output_bytes: int | None = None
+    checkpoint_params: int | None = None
 
     @property
     def params(self) -> int:
@@ -34,6 +40,31 @@ class QuantizeReport:
     def storage_bpw(self) -> float:
         """Stored bits per quantized weight, side information and padding included."""
         return sum(s.storage_bpw[self.bits_map[s.name]] * s.params for s in self.stats) / max(1, self.params)
+
+    @property
+    def checkpoint_bpw(self) -> float | None:
+        """Stored bits per parameter of the whole output checkpoint (files' bytes over parameters)."""
+        if not self.output_bytes or not self.checkpoint_params:
+            return None
+        return 8 * self.output_bytes / self.checkpoint_params
+
+    def summary(self) -> list[str]:
+        """The closing lines of ``escha quantize``: sizes, ratio, bits per weight."""
+        lines = []
+        if self.input_bytes and self.output_bytes:
+            lines.append(f"input {format_bytes(self.input_bytes)}, output {format_bytes(self.output_bytes)}: "
+                         f"{self.input_bytes / self.output_bytes:.1f}x smaller")
+        lines.append(f"stored bits per weight: {self.storage_bpw:.3f} over the {len(self.stats)} quantized "
+                     f"Linears ({self.params:,} weights, mean K {self.mean_bits:.2f})")
+        whole = self.checkpoint_bpw
+        if whole is not None:
+            lines.append(f"stored bits per weight: {whole:.3f} over the whole checkpoint "
+                         f"({self.checkpoint_params:,} parameters)")
+            rest = self.checkpoint_params - self.params
+            if rest > 0 and whole > self.storage_bpw + 0.05:
+                lines.append(f"  (higher because the other {rest / self.checkpoint_params:.0%} of the parameters - "
+                             f"embeddings, norms, the unquantized head - stay as stored in the input)")
+        return lines
 
     def layer_rows(self) -> list[dict]:
         """One row per layer (the modules after the stack form a last "tail" row)."""
@@ -61,6 +92,8 @@ class QuantizeReport:
             "mean_bits": self.mean_bits, "storage_bpw": self.storage_bpw, "hessian": self.hessian,
             "calibration": self.calibration, "skipped": self.skipped,
             "total_seconds": self.total_seconds, "resumed_layers": self.resumed_layers,
+            "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
+            "checkpoint_params": self.checkpoint_params, "checkpoint_bpw": self.checkpoint_bpw,
             "layers": self.layer_rows(),
             "linears": [{**s.to_json(), "bits": self.bits_map[s.name]} for s in self.stats],
         }

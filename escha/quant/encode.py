@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
-import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Callable
@@ -24,7 +22,7 @@ from .viterbi_cpu import reuse_buffers, viterbi_cpu
 if TYPE_CHECKING:
     from .viterbi_triton import ViterbiLaunch
 
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int], None]  # progress(done_tiles, total_tiles)
 
 CPU_BUDGET_BYTES = 1 << 30  # working memory for one batch of the reference path on CPU
 GPU_FREE_FRACTION = 0.5  # share of free device memory one batch may take
@@ -138,19 +136,3 @@ def encode_tiles(x: torch.Tensor, values: torch.Tensor, bits: int,
             if progress is not None:
                 progress(hi, t_count)
     return states, err
-
-
-def stderr_progress(label: str, every_s: float = 2.0) -> Progress:
-    """A progress callback printing ``label: done/total tiles`` with a rate, at most every few seconds."""
-    start = time.monotonic()
-    last = [start - every_s]
-
-    def report(done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= every_s or done >= total:
-            last[0] = now
-            rate = done / max(now - start, 1e-9)
-            print(f"{label}: {done}/{total} tiles ({100.0 * done / max(total, 1):.0f}%, "
-                  f"{rate:.0f} tiles/s)", file=sys.stderr, flush=True)
-
-    return report

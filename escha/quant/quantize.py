@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from enum import Enum
 from typing import Callable, TypeVar
 
@@ -11,7 +12,9 @@ from ..format import codebooks
 from ..format.bitstream import words_from_states
 from ..format.qweight import QuantizedWeight
 from ..format.spec import TILE, TILE_WEIGHTS, check_bits, padded
-from .encode import EncodeOptions, Progress, encode_tiles
+from ..progress import ProgressFn, SlowWorkWarning, bar, format_seconds, wanted
+from .encode import EncodeOptions, encode_tiles
+from .estimate import encoder_tiles_per_s, estimate_seconds
 from .greedy import encode_greedy
 from .incoherence import Incoherent, make_incoherent
 from .ldlq import DEFAULT_DAMP, block_ldl_upper, check_finite_matrix, check_hessian, incoherent_hessian, ldlq
@@ -19,6 +22,8 @@ from .scale import ScaleSearch, search_ratio
 from .viterbi_cpu import reuse_buffers
 
 GPU_MIN_TILES = 64  # below this the CPU path is as fast as launching kernels
+BAR_MIN_SECONDS = 2.0  # the automatic progress bar is drawn for work estimated to take longer
+SLOW_SECONDS = 60.0  # a SlowWorkWarning is given for work estimated to take longer
 
 
 class Encoder(str, Enum):
@@ -26,6 +31,32 @@ class Encoder(str, Enum):
 
     VITERBI = "viterbi"
     GREEDY = "greedy"
+
+
+def check_encoder(encoder: Encoder | str) -> Encoder:
+    """The Encoder named by ``encoder``, or a ValueError listing the valid names."""
+    try:
+        return Encoder(encoder)
+    except ValueError:
+        valid = ", ".join(e.value for e in Encoder)
+        raise ValueError(f"encoder must be one of {valid}; got {encoder!r}") from None
+
+
+def tile_count(shape: tuple[int, int]) -> int:
+    """Tiles (16 x 16 weights) of an [out, in] weight after padding to the format's blocks."""
+    return padded(shape[0]) * padded(shape[1]) // TILE_WEIGHTS
+
+
+def slow_notice(shape: tuple[int, int], n_tiles: int, bits: int, device: torch.device,
+                seconds: float, what: str = "quantizing") -> str:
+    """One line: how long the exact encoder will take on ``device`` and what a GPU would take."""
+    rate = encoder_tiles_per_s(bits, device, torch.get_num_threads())
+    gpu = estimate_seconds(n_tiles, bits, "cuda")
+    where = ("a CUDA GPU is available: pass device='cuda'" if torch.cuda.is_available()
+             else "on a machine with a CUDA GPU")
+    return (f"{what} {shape[0]}x{shape[1]} ({n_tiles:,} tiles at K={bits}) will take about "
+            f"{format_seconds(seconds)} on the {device.type.upper()} (~{rate:.0f} tiles/s); an H200 "
+            f"takes ~{format_seconds(gpu)} ({where})")
 
 
 def check_weight(w: object, name: str = "W") -> torch.Tensor:
@@ -71,7 +102,7 @@ def _shared_cpu_workspace(fn: F) -> F:
 def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None, seed: int = 0,
              codebook: str | int = "3inst", *, damp: float = DEFAULT_DAMP,
              scale_search: ScaleSearch | None = ScaleSearch(), encoder: Encoder | str = Encoder.VITERBI,
-             progress: Progress | None = None, device: torch.device | str | None = None) -> QuantizedWeight:
+             progress: bool | ProgressFn | None = None, device: torch.device | str | None = None) -> QuantizedWeight:
     """Quantize a weight matrix W [out, in] to Escha W2 with K = ``bits``.
 
     Args:
@@ -83,7 +114,10 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
         damp: LDLQ damping as a fraction of the Hessian's mean diagonal.
         scale_search: sample and candidates of the global-scale search; None uses the per-K prior.
         encoder: "viterbi" (exact tail-biting DP, the default) or "greedy" (baseline).
-        progress: called as progress(done_tiles, total_tiles); see encode.stderr_progress.
+        progress: None (default): a progress bar on stderr when it is a terminal and the
+            encode is estimated to take over 2 s, and a SlowWorkWarning before an encode
+            estimated to take over a minute on the CPU; True: both, terminal or not; False:
+            neither; a callable: called as progress(done_tiles, total_tiles), nothing drawn.
         device: where to compute; default CUDA when available and the matrix has >= 64 tiles.
 
     Returns a QuantizedWeight on W's device.
@@ -91,11 +125,18 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
     check_weight(W)
     check_bits(bits)
     cb = codebooks.get(codebook)
-    enc = Encoder(encoder)
+    enc = check_encoder(encoder)
     h = None if hessian is None else check_hessian(hessian, W.shape[1])
     np_, kp = padded(W.shape[0]), padded(W.shape[1])
     n_tiles = np_ * kp // TILE_WEIGHTS
     dev = _pick_device(W, n_tiles, device)
+    with _reporter(progress, tuple(W.shape), n_tiles, bits, dev, enc, scale_search is not None) as report:
+        return _encode_weight(W, bits, h, seed, cb, enc, damp, scale_search, dev, kp, report)
+
+
+def _encode_weight(W: torch.Tensor, bits: int, h: torch.Tensor | None, seed: int, cb, enc: Encoder, damp: float,
+                   scale_search: ScaleSearch | None, dev: torch.device, kp: int, report: "_Report") -> QuantizedWeight:
+    """quantize's work once its arguments are checked: incoherence, scale, (LDLQ +) encoding, packing."""
     inc = make_incoherent(W.detach().to(dev), seed)  # signs come from a CPU generator: device-independent
     target = inc.target
     table = cb.table(dev).float()
@@ -114,13 +155,14 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
 
     def encode(t: torch.Tensor) -> torch.Tensor:
         flat = t.reshape(-1, TILE_WEIGHTS) / g
+        base = done[0]
         if enc == Encoder.GREEDY:
             st = encode_greedy(flat, bits, table)
         else:
-            st, _ = encode_tiles(flat, table, bits, EncodeOptions())
-        done[0] += flat.shape[0]
-        if progress is not None:
-            progress(done[0], n_tiles)
+            st, _ = encode_tiles(flat, table, bits, EncodeOptions(),
+                                 progress=lambda d, _total: report.to(base + d))
+        done[0] = base + flat.shape[0]
+        report.to(done[0])
         return st.reshape(*t.shape[:-1], TILE_WEIGHTS)
 
     if h is None:
@@ -138,6 +180,48 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
         ldlq(target.double() if dev.type == "cpu" else target, u, quantize_columns)
         states = torch.stack(col_states, dim=1)
     return _assemble(W, inc, states, g, bits, cb.id)
+
+
+class _Report:
+    """Where quantize's progress goes: a tqdm bar, a caller's function, or nowhere."""
+
+    def __init__(self, total: int, fn: ProgressFn | None = None, show: bool = False) -> None:
+        self.total, self.fn, self.done = total, fn, 0
+        self.bar = bar(total, "escha.quantize", True, unit="tile") if show else None
+
+    def to(self, done: int) -> None:
+        """Record that ``done`` tiles of ``total`` are encoded."""
+        if done <= self.done:
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        self.done = done
+        if self.fn is not None:
+            self.fn(done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self) -> "_Report":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # also when interrupted: the bar's line ends where the work stopped
+
+
+def _reporter(progress: bool | ProgressFn | None, shape: tuple[int, int], n_tiles: int, bits: int,
+              dev: torch.device, enc: Encoder, scale_search: bool) -> _Report:
+    """Decide, from the estimated time, whether to warn and draw (see quantize's ``progress``)."""
+    if callable(progress) and not isinstance(progress, bool):
+        return _Report(n_tiles, fn=progress)
+    if progress is False or enc != Encoder.VITERBI:  # greedy is fast: drawn only when asked
+        return _Report(n_tiles, show=progress is True)
+    seconds = estimate_seconds(n_tiles, bits, dev, threads=torch.get_num_threads(), scale_search=scale_search)
+    if dev.type == "cpu" and seconds >= SLOW_SECONDS:
+        # stacklevel 4: the caller of escha.quantize (through the workspace wrapper and this helper)
+        warnings.warn(slow_notice(shape, n_tiles, bits, dev, seconds), SlowWorkWarning, stacklevel=4)
+    return _Report(n_tiles, show=progress is True or (wanted(None) and seconds >= BAR_MIN_SECONDS))
 
 
 WORDS_CHUNK = 1 << 16  # tiles per words_from_states call: bounds its [T, 256, 16] temporaries
