@@ -10,6 +10,7 @@ rounds interleaved across arms, median over rounds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -21,7 +22,7 @@ import torch
 from escha.bench.cuda_timing import GraphTimer
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_wgmma import (DecodeWgmmaConfig, decode_wgmma, decode_wgmma_config, decoded_fragments,
+from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments,
                                         mma_order_core, packed_words)
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -111,12 +112,15 @@ def main() -> int:
                     "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
                     "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i], config=cfg), len(ws)),
                 }
+                if cfg.dependent_launch:  # the same kernels launched in plain stream order
+                    plain = dataclasses.replace(cfg, dependent_launch=False)
+                    arms["wgmma_plain"] = (lambda i: decode_wgmma(xs[i % 2], ws[i], config=plain), len(ws))
                 if m <= 64:
                     arms["portable"] = (lambda i: decode(xs[i % 2], ws[i]), len(ws))
                 if args.variants:
                     for fr in ((1, 2) if cfg.block_tokens <= 64 else (1,)):  # 2 fragments x 128 tokens: 254 registers
                         for sp in (1, 2, 3, 4, 6, 8):
-                            c2 = DecodeWgmmaConfig(cfg.block_tokens, sp, cfg.stages, fr)
+                            c2 = dataclasses.replace(cfg, split=sp, fragments=fr)
                             if c2 != cfg:
                                 arms[f"f{fr}s{sp}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
@@ -126,8 +130,7 @@ def main() -> int:
                         times[k].append(s.sample())
                 med = {k: statistics.median(v) for k, v in times.items()}
                 point["us"] = med
-                point["config"] = {"block_tokens": cfg.block_tokens, "split": cfg.split, "stages": cfg.stages,
-                                   "fragments": cfg.fragments}
+                point["config"] = dataclasses.asdict(cfg)
                 log(f"{name} M={m:4d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())
                     + f"  wgmma/bf16 {med['wgmma'] / med['cublas_bf16']:.3f}  err_bf16 {point['err_bfloat16']:.2e}")
                 del samplers

@@ -1,6 +1,7 @@
 """The register-operand decode GEMM (Hopper): its in-memory layout, checked on the CPU by
 emulating each thread's fragment, its compiled form (PTX for sm_90a), and on the GPU its
 fragments bit for bit and its products within the decode tolerance table."""
+import dataclasses
 import importlib
 import re
 
@@ -114,18 +115,19 @@ def layout_check(p):
 target = GPUTarget("cuda", 90, 32)
 triton.compile(GluonASTSource(layout_check, {"p": "*fp16"}), target=target)
 out = {}
-for bits, bn, frags in VARIANTS:
+for bits, bn, frags, pdl in VARIANTS:
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr"}
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
     src = GluonASTSource(_decode_wgmma_kernel, sig,
-                         constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "FRAGS": frags},
+                         constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "FRAGS": frags, "PDL": pdl},
                          attrs={(2,): [["tt.divisibility", 16]]})
-    out[f"{bits},{bn},{frags}"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+    out[f"{bits},{bn},{frags},{int(pdl)}"] = triton.compile(
+        src, target=target, options={"num_warps": 4, "launch_pdl": pdl}).asm["ptx"]
 json.dump(out, sys.stdout)
 """
-VARIANTS = [(2, 8, 1), (2, 64, 1), (3, 16, 1), (2, 16, 2)]
+VARIANTS = [(2, 8, 1, True), (2, 64, 1, True), (3, 16, 1, True), (2, 16, 2, True), (2, 16, 2, False)]
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +150,9 @@ def ptx(tmp_path_factory):
     return {tuple(int(v) for v in k.split(",")): p for k, p in json.loads(run.stdout).items()}
 
 
-@pytest.mark.parametrize("bits,bn,frags", VARIANTS)
-def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags):
-    ptx = ptx[(bits, bn, frags)]
+@pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
+def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags, pdl):
+    ptx = ptx[(bits, bn, frags, int(pdl))]
     mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
     assert len(mma) == 8 * frags and all(int(n) == bn for n, _ in mma)
     assert all(a == "{" for _, a in mma)  # A from registers, not a shared-memory descriptor
@@ -162,7 +164,61 @@ def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags):
     assert tx == {bn * 128 * 2 + frags * 8 * 128 * 4}
 
 
+@pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
+def test_ptx_dependent_launch_order(ptx, bits, bn, frags, pdl):
+    """With PDL only the weights' TMA copies (3 stages x fragments) come before the wait for the
+    input transform, and the output transform is released after the last MMA; without, no
+    grid-dependency instruction at all."""
+    ptx = ptx[(bits, bn, frags, int(pdl))]
+    if not pdl:
+        assert "griddepcontrol" not in ptx
+        return
+    wait, release = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    assert ptx[:wait].count("cp.async.bulk.tensor") == 3 * frags
+    assert "wgmma.mma_async" not in ptx[:wait] and "st.global" not in ptx[:wait]
+    assert ptx.rindex("wgmma.wait_group") < release < ptx.index("st.global")
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_dependent_launch_chain(graph):
+    """Twelve products back to back, each reading the one before it (the input transform, GEMM and
+    output transform of every product launched as programmatic dependents, in a CUDA graph or
+    not): bit for bit what the same chain gives with ordinary launches, and within tolerance of
+    fp64. A dependent that read its producer's output before the producer finished would differ."""
+    qws = [random_qweight(640, 640, bits=2 + i % 2, seed=100 + i, device="cuda") for i in range(12)]
+    x0 = torch.randn(8, 640, device="cuda", dtype=torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        x = x0
+        for qw in qws:
+            cfg = dataclasses.replace(dw.decode_wgmma_config(qw, 8, x.device), dependent_launch=pdl)
+            x = dw.decode_wgmma(x, qw, config=cfg) * 0.5
+        return x
+
+    for qw in qws:
+        dw.packed_words(qw)  # the repack happens outside the graph
+    plain = chain(False)
+    if graph:
+        chain(True)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = chain(True)
+        got.fill_(float("nan"))
+        g.replay()
+    else:
+        got = chain(True)
+    torch.cuda.synchronize()
+    assert torch.equal(got, plain)
+    ref = x0.double()
+    for qw in qws:
+        ref = (ref @ dequantize(qw).double().T) * 0.5
+    assert float((got.double() - ref).norm() / ref.norm()) < 12 * 2 * (2.0**-8 + 2.0**-11)
 
 
 @pytest.mark.gpu
@@ -187,7 +243,7 @@ def test_gemm_within_tolerance(m, dtype, fragments):
     qw = random_qweight(300, 700, bits=2 + m % 2, seed=m, device="cuda")
     x = torch.randn(m, 700, device="cuda", dtype=dtype)
     cfg = dw.decode_wgmma_config(qw, m)
-    cfg = dw.DecodeWgmmaConfig(cfg.block_tokens, cfg.split, cfg.stages, fragments)
+    cfg = dataclasses.replace(cfg, fragments=fragments)
     y = dw.decode_wgmma(x, qw, config=cfg)
     ref = x.double() @ dequantize(qw).double().T
     assert y.dtype == dtype and y.shape == (m, 300)

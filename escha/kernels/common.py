@@ -2,7 +2,9 @@
 
 One place decides whether Triton runs in its CPU interpreter (``interpreted``), whether a device
 may run inline PTX (``ptx_enabled``) and whether the kernels can run on a device at all
-(``kernels_run_on``). Every op checks its operands with ``check_operands``/``check_codebook``,
+(``kernels_run_on``), and whether launches may overlap their predecessor's tail
+(``dependent_launch_supported``, with ``wait_for_producer``/``release_dependents`` in the
+kernels). Every op checks its operands with ``check_operands``/``check_codebook``,
 rounds to narrower floats through ``round_to`` only, and builds the +-1 Hadamard matrix and the
 output row scale through ``hadamard_pm1`` and ``row_scale_block``.
 """
@@ -13,6 +15,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
@@ -42,6 +45,30 @@ def ptx_enabled(device: torch.device) -> bool:
 def kernels_run_on(device: torch.device) -> bool:
     """Whether the Triton kernels can run on ``device``: any GPU, or the CPU under the interpreter."""
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+def dependent_launch_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched as programmatic dependents (PDL: CUDA's
+    programmatic stream serialization, sm_90 and later): a dependent starts while its
+    predecessor finishes and waits for it (``wait_for_producer``) before touching its outputs."""
+    return ptx_enabled(device) and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def wait_for_producer(PDL: tl.constexpr):
+    """With PDL: block until the previous kernel on the stream has completed and its writes are
+    visible (griddepcontrol.wait). Everything before this line may read only immutable data
+    (weights), and nothing before it may write."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """With PDL: let the next kernel on the stream launch now (griddepcontrol.launch_dependents;
+    it still waits for this one's completion before reading what this one writes)."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 #: Activation dtypes every op takes (and returns).

@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
-from .common import check_codebook, check_operands, interpreted, output_tensor
+from .common import check_codebook, check_operands, dependent_launch_supported, interpreted, output_tensor
 from .transforms import hadamard_input, hadamard_output
 from .triton_compat import tma_async_load
 
@@ -198,6 +198,16 @@ def _state_values(sa, sb):
                                      is_pure=True, pack=1)
 
 
+_WAIT_ASM = gl.constexpr("griddepcontrol.wait; // $0")
+_RELEASE_ASM = gl.constexpr("griddepcontrol.launch_dependents; // $0")
+
+
+@gluon.jit
+def _grid_dependency(ASM: gl.constexpr):
+    """common.wait_for_producer / release_dependents for Gluon kernels (the PTX alone)."""
+    gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr):
     """The [64, 128] fp16 A operand (MMA column order) from the words ``w`` of _load_words.
@@ -225,13 +235,18 @@ def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.const
 
 @gluon.jit
 def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
-                         BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr):
+                         BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
+                         PDL: gl.constexpr):
     """Program (row block, split slice, token block): z^T[64 FRAGS rows, BN tokens] over its k-blocks.
 
     Each step's activation tile x' [BN, 128] and FRAGS word blocks [8, 128] arrive by TMA on one
     mbarrier, STAGES steps ahead of their use, so the loop never waits on global memory. With
     FRAGS = 2 the warpgroup decodes two 64-row fragments per step against the same activation
     tile (the second decode overlaps the first fragment's MMA).
+
+    With PDL (programmatic dependent launch) the program starts while the input transform runs:
+    it fetches its first STAGES word blocks, which no kernel writes, then waits for x'. It
+    releases the output transform after its loop.
     """
     nb = gl.program_id(0)
     sl = gl.program_id(1)
@@ -259,10 +274,13 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
     nbytes: gl.constexpr = x_desc.block_type.nbytes + FRAGS * w_desc.block_type.nbytes
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
-        tma_async_load(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
         for f in gl.static_range(FRAGS):
             tma_async_load(w_desc, [wrow0 + i * 16 + f * 8, 0], bars.index(i), w_smem.index(i * FRAGS + f),
                            pred=i < n)
+    if PDL:
+        _grid_dependency(_WAIT_ASM)
+    for i in gl.static_range(STAGES):
+        tma_async_load(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
@@ -289,6 +307,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
             tma_async_load(w_desc, [wrow0 + j * 16 + f * 8, 0], bars.index(stage),
                            w_smem.index(stage * FRAGS + f), pred=j < n)
 
+    if PDL:
+        _grid_dependency(_RELEASE_ASM)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -349,14 +369,16 @@ class DecodeWgmmaConfig:
     split: int  # k-slices (fp32 partials reduced in fixed order)
     stages: int  # activation buffers in the TMA ring
     fragments: int  # 64-row A fragments per program (1 or 2)
+    dependent_launch: bool  # the three kernels as programmatic dependents (common.dependent_launch_supported)
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule: tokens padded to a power of two >= 8 (at most 256 per program); two fragments
     (128 rows) per program up to 64 tokens, one above (two at 128 tokens need 254 registers);
     k-slices by token block, 6 / 4 / 3 for <= 16 / <= 64 / more tokens, with at least two k-blocks
-    a slice; an activation ring 3 deep where shared memory allows (2 at 256 tokens). Fitted on
-    the H200 sweep (note at the end of this module)."""
+    a slice; an activation ring 3 deep where shared memory allows (2 at 256 tokens); dependent
+    launches wherever the device has them (sm_90 always does). Fitted on the H200 sweep (note at
+    the end of this module)."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
     kp = qw.padded_shape[1]
@@ -365,7 +387,8 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     split = max(1, min(split, kp // BLOCK_K // 2))
     stages = 3 if block_tokens <= 128 else 2
     return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages,
-                             fragments=2 if block_tokens <= 64 else 1)
+                             fragments=2 if block_tokens <= 64 else 1,
+                             dependent_launch=device is None or dependent_launch_supported(device))
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
@@ -393,7 +416,8 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     np_, kp = qw.padded_shape
     nkb = kp // BLOCK_K
     words = packed_words(qw)
-    xq, inv = hadamard_input(x2d, qw, mma_order=True)
+    pdl = cfg.dependent_launch
+    xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
@@ -402,8 +426,8 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     y = output_tensor(x, m, qw.out_features, out)
     grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
     _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
-                               STAGES=cfg.stages, FRAGS=cfg.fragments, num_warps=4)
-    hadamard_output(ws, qw, inv, y)
+                               STAGES=cfg.stages, FRAGS=cfg.fragments, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    hadamard_output(ws, qw, inv, y, dependent_launch=pdl)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 

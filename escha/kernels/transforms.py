@@ -19,16 +19,21 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .common import INV_SQRT_HAD, SQRT_HAD, dot_dtype, hadamard_operand, load_hadamard, round_to, row_scale_block
+from .common import (INV_SQRT_HAD, SQRT_HAD, dot_dtype, hadamard_operand, load_hadamard, release_dependents, round_to,
+                     row_scale_block, wait_for_producer)
 
 
 @triton.jit
 def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr):
+                            DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
-    MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order)."""
+    MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order). With PDL
+    the GEMM that reads x' is released at once, so it can fetch its weights while this runs.
+    """
+    wait_for_producer(PDL)
+    release_dependents(PDL)
     m = tl.program_id(0)
     pc = tl.program_id(1)
     row = x_ptr + m.to(tl.int64) * stride_xm
@@ -71,11 +76,14 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
     tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
 
 
-def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
+                   dependent_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
-    two (module docstring). ``mma_order`` stores each 128-block in decode_wgmma's column order.
+    two (module docstring). ``mma_order`` stores each 128-block in decode_wgmma's column order;
+    ``dependent_launch`` launches as a programmatic dependent (common.dependent_launch_supported)
+    that releases its own dependent at once.
     """
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
@@ -86,46 +94,53 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
     ch = 16
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
     ddt = dot_dtype(x2d.dtype)
+    # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
+    amax_block = min(8192, triton.next_power_of_2(qw.in_features))
     _input_transform_kernel[grid](x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale, qw.in_features,
-                                  kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=1024,
-                                  AMAX_STEPS=triton.cdiv(qw.in_features, 1024), DOT_DTYPE=ddt, MMA_ORDER=mma_order,
-                                  num_warps=4)
+                                  kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
+                                  AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
+                                  MMA_ORDER=mma_order, PDL=dependent_launch, num_warps=4,
+                                  launch_pdl=dependent_launch)
     return out, inv_scale
 
 
 @triton.jit
 def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, M, N_out, Np, stride_ym,
-                             SPLIT: tl.constexpr, BM: tl.constexpr):
+                             SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr):
     """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
 
     The split partials are summed in the fixed order s = 0, 1, ..., SPLIT-1, so the result is
-    bitwise reproducible.
+    bitwise reproducible. With PDL the weight's own data (H, row scales) is read while the GEMM
+    finishes; z and 2**-e only after it.
     """
     nb = tl.program_id(0)
     mb = tl.program_id(1)
     m = mb * BM + tl.arange(0, BM)[:, None]
     n = nb * 128 + tl.arange(0, 128)[None, :]
     mmask = m < M
+    hm = load_hadamard(h_ptr)
+    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
+    wait_for_producer(PDL)
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask, other=0.0)
     # z H in two tf32 products: z_hi (z with 10 mantissa bits, exact in tf32) and the rest
     # z - z_hi (<= 13 significant bits, 2**-10 of z, so its own tf32 rounding is ~2**-21 of z);
     # H is exact in tf32.
-    hm = load_hadamard(h_ptr)
     z_hi = (z.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
     h = tl.dot(z_hi, hm, input_precision="tf32")
     h = tl.dot(z - z_hi, hm, h, input_precision="tf32") * INV_SQRT_HAD
-    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
     y = h * rs * inv
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
 
 
-def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
+                    dependent_launch: bool = False) -> torch.Tensor:
     """Sum split partials z [SPLIT, M, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
 
     ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride.
+    ``dependent_launch``: launched as a programmatic dependent of the GEMM that writes z.
     """
     split, m, np_ = z.shape
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
@@ -133,5 +148,6 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     _output_transform_kernel[grid](z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale, inv_scale, m, qw.out_features, np_,
-                                   out.stride(0), SPLIT=split, BM=bm, num_warps=4)
+                                   out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch, num_warps=4,
+                                   launch_pdl=dependent_launch)
     return out
