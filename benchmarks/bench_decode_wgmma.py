@@ -112,9 +112,12 @@ def main() -> int:
                     "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
                     "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i], config=cfg), len(ws)),
                 }
-                if cfg.dependent_launch:  # the same kernels launched in plain stream order
-                    plain = dataclasses.replace(cfg, dependent_launch=False)
-                    arms["wgmma_plain"] = (lambda i: decode_wgmma(xs[i % 2], ws[i], config=plain), len(ws))
+                # The launch-order choices of the same kernels: plain stream order, and programmatic
+                # dependents with the GEMM starting early (as the input transform starts) or late.
+                for arm, pdl, early in (("plain", False, False), ("pdl_early", True, True), ("pdl_late", True, False)):
+                    c2 = dataclasses.replace(cfg, dependent_launch=pdl, early_start=early)
+                    if c2 != cfg:
+                        arms[f"wgmma_{arm}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 if m <= 64:
                     arms["portable"] = (lambda i: decode(xs[i % 2], ws[i]), len(ws))
                 if args.variants:

@@ -185,8 +185,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("graph", [False, True])
-def test_dependent_launch_chain(graph):
+def test_dependent_launch_chain(graph, early):
     """Twelve products back to back, each reading the one before it (the input transform, GEMM and
     output transform of every product launched as programmatic dependents, in a CUDA graph or
     not): bit for bit what the same chain gives with ordinary launches, and within tolerance of
@@ -197,7 +198,7 @@ def test_dependent_launch_chain(graph):
     def chain(pdl: bool) -> torch.Tensor:
         x = x0
         for qw in qws:
-            cfg = dataclasses.replace(dw.decode_wgmma_config(qw, 8, x.device), dependent_launch=pdl)
+            cfg = dataclasses.replace(dw.decode_wgmma_config(qw, 8, x.device), dependent_launch=pdl, early_start=early)
             x = dw.decode_wgmma(x, qw, config=cfg) * 0.5
         return x
 

@@ -370,6 +370,7 @@ class DecodeWgmmaConfig:
     stages: int  # activation buffers in the TMA ring
     fragments: int  # 64-row A fragments per program (1 or 2)
     dependent_launch: bool  # the three kernels as programmatic dependents (common.dependent_launch_supported)
+    early_start: bool  # with dependent_launch: the GEMM launches as the input transform starts, not as it ends
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
@@ -388,7 +389,8 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     stages = 3 if block_tokens <= 128 else 2
     return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages,
                              fragments=2 if block_tokens <= 64 else 1,
-                             dependent_launch=device is None or dependent_launch_supported(device))
+                             dependent_launch=device is None or dependent_launch_supported(device),
+                             early_start=True)
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
@@ -417,7 +419,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     nkb = kp // BLOCK_K
     words = packed_words(qw)
     pdl = cfg.dependent_launch
-    xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl)
+    xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl, release_early=pdl and cfg.early_start)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))

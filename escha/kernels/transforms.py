@@ -26,14 +26,16 @@ from .common import (INV_SQRT_HAD, SQRT_HAD, dot_dtype, hadamard_operand, load_h
 @triton.jit
 def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
+                            DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
+                            RELEASE_EARLY: tl.constexpr):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
     MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order). With PDL
-    the GEMM that reads x' is released at once, so it can fetch its weights while this runs.
+    and RELEASE_EARLY the GEMM that reads x' is released at once, so it can fetch its weights
+    while this runs; without RELEASE_EARLY it launches as this kernel's programs exit.
     """
     wait_for_producer(PDL)
-    release_dependents(PDL)
+    release_dependents(PDL and RELEASE_EARLY)
     m = tl.program_id(0)
     pc = tl.program_id(1)
     row = x_ptr + m.to(tl.int64) * stride_xm
@@ -77,13 +79,13 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
 
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
-                   dependent_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   dependent_launch: bool = False, release_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
     two (module docstring). ``mma_order`` stores each 128-block in decode_wgmma's column order;
-    ``dependent_launch`` launches as a programmatic dependent (common.dependent_launch_supported)
-    that releases its own dependent at once.
+    ``dependent_launch`` launches as a programmatic dependent (common.dependent_launch_supported);
+    ``release_early`` then lets the next kernel launch at once rather than as this one's programs exit.
     """
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
@@ -99,7 +101,7 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
     _input_transform_kernel[grid](x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale, qw.in_features,
                                   kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
                                   AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
-                                  MMA_ORDER=mma_order, PDL=dependent_launch, num_warps=4,
+                                  MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early, num_warps=4,
                                   launch_pdl=dependent_launch)
     return out, inv_scale
 
