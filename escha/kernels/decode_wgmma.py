@@ -53,6 +53,7 @@ FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
 FRAGMENT_WORDS = FRAGMENT_ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per 16 weights -> 1024
 MAX_TOKENS = 256  # wgmma N
+HOPPER_SMS = 132  # SMs of an H100 SXM / H200, for the rule when no device is given
 SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
 # A fragment's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
 WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -378,8 +379,9 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     (128 rows) per program up to 64 tokens, one above (two at 128 tokens need 254 registers);
     k-slices by token block, 6 / 4 / 3 for <= 16 / <= 64 / more tokens, with at least two k-blocks
     a slice; an activation ring 3 deep where shared memory allows (2 at 256 tokens); dependent
-    launches wherever the device has them (sm_90 always does). Fitted on the H200 sweep (note at
-    the end of this module)."""
+    launches wherever the device has them (sm_90 always does), the GEMM starting early at 8 tokens,
+    with one fragment, or with at least 4 programs per SM, and late otherwise. Fitted on the H200
+    sweeps (note at the end of this module)."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
     kp = qw.padded_shape[1]
@@ -387,10 +389,16 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     split = 6 if block_tokens <= 16 else 4 if block_tokens <= 64 else 3
     split = max(1, min(split, kp // BLOCK_K // 2))
     stages = 3 if block_tokens <= 128 else 2
-    return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages,
-                             fragments=2 if block_tokens <= 64 else 1,
+    fragments = 2 if block_tokens <= 64 else 1
+    # Early start costs where the GEMM's grid is small and its programs are large (two fragments,
+    # >= 16 tokens): up to 1.6x on down-type shapes (note at the end of this module).
+    on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
+    programs = qw.padded_shape[0] // (FRAGMENT_ROWS * fragments) * split * triton.cdiv(m, block_tokens)
+    early = block_tokens == 8 or fragments == 1 or programs >= 4 * sms
+    return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
-                             early_start=True)
+                             early_start=early)
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
