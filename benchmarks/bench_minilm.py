@@ -148,6 +148,7 @@ def main() -> int:
                     help="results JSON (default benchmarks/results/minilm_cpu.json, or minilm_<gpu>.json on "
                          "CUDA, e.g. minilm_h200.json, the file docs/MODELS.md cites)")
     ap.add_argument("--skip-speed", action="store_true", help="do not time the default encoder")
+    ap.add_argument("--git", default=None, help="commit to record (when the run's checkout has no git history)")
     args = ap.parse_args()
     if args.out is None:
         tag = torch.cuda.get_device_name(0).split()[-1].lower() if args.device.startswith("cuda") else "cpu"
@@ -207,7 +208,7 @@ def main() -> int:
                     "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "transformers": __import__("transformers").__version__, "escha": escha.__version__,
-                    "git_sha": git_sha(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+                    "git_sha": args.git or git_sha(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
     if not args.skip_speed:
         res["encoder_speed"] = viterbi_speed(args.device)

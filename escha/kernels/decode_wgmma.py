@@ -455,4 +455,14 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
 # decode's latencies); 8 loses up to 10% (more partials to reduce, shorter loops). Two fragments
 # share each activation tile and halve the loop's overhead per weight; at 128 tokens they need
 # 254 registers, so one fragment above 64 tokens. Stages: 3 (2 at 256 tokens, shared memory).
+# Dependent launches (benchmarks/results/decode_wgmma_h200{,_families}.{log,json}, commit bd1e02f,
+# every start timed beside plain stream order in one process; µs):
+#                       plain   early   late
+#   gate_up M=16        49.0    46.2    47.7      early wins at every gate_up M (816 / 544 programs)
+#   down    M=8         29.9    28.3    29.2      early wins at 8 tokens on every shape
+#   down    M=16        32.7    44.2    31.8      two fragments, 240 programs: early loses 1.4x
+#   down 8B M=64        59.4    95.8    59.6      128 programs: early loses 1.6x
+#   down    M=128       62.4    59.0    60.6      one fragment: early wins
+# Late never loses to plain by more than noise (down 8B M=64: 59.6 vs 59.4). Hence early at 8
+# tokens, with one fragment, or with >= 4 programs per SM; late otherwise (docs/KERNELS.md).
 # The final numbers with this rule: benchmarks/results/decode_wgmma_h200.{log,json}.
