@@ -199,6 +199,16 @@ def _state_values(sa, sb):
                                      is_pure=True, pack=1)
 
 
+# The register layouts of the decode, shared by the GEMM and the fragment test kernel (so the
+# test reads exactly what the GEMM multiplies). FRAGMENT_LAYOUT views a 64 x 128 A fragment as
+# [warp, row half, g, s, h, t, e] (``_decode_fragment``); WORDS_LAYOUT holds a thread's 8 words
+# as [warp, row half, g, tile half, t, hi/lo] (``pack_words``' order).
+FRAGMENT_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 2, 1, 2],
+                                                threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
+                                                warps_per_cta=[4, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0]))
+WORDS_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+                                             warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0]))
+
 _WAIT_ASM = gl.constexpr("griddepcontrol.wait; // $0")
 _RELEASE_ASM = gl.constexpr("griddepcontrol.launch_dependents; // $0")
 
@@ -257,10 +267,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    L7: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
-                                        warps_per_cta=[4, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0])
-    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
-                                        warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
+    L7: gl.constexpr = FRAGMENT_LAYOUT
+    WL: gl.constexpr = WORDS_LAYOUT
 
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
@@ -329,10 +337,8 @@ def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr):
     kb = gl.program_id(1)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    L7: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
-                                        warps_per_cta=[4, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0])
-    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
-                                        warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
+    L7: gl.constexpr = FRAGMENT_LAYOUT
+    WL: gl.constexpr = WORDS_LAYOUT
     off = (((_iota(4, 0, 6, WL) * 2 + _iota(2, 1, 6, WL)) * 32 + _iota(8, 2, 6, WL) * 4 + _iota(4, 4, 6, WL)) * 4
            + _iota(2, 3, 6, WL) * 2 + _iota(2, 5, 6, WL))
     w = gl.load(words_ptr + (((nb // 2) * NKB + kb) * 2 + nb % 2).to(gl.int64) * 1024 + off)
