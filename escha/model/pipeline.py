@@ -160,7 +160,7 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
                     source: InMemory | Streamed) -> bool:
     """Quantize every layer of the stack, then the modules after it; returns whether there were any."""
 
-    def results(key: str, linears, quantize, note: str, index: int) -> Candidates:
+    def results(key: str, linears, quantize, index: int) -> Candidates:
         """The stored results of ``key`` if the source has them, else ``quantize()``'s, kept."""
         stored = source.resume(key)
         if stored is not None:
@@ -181,8 +181,7 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
         layer = run.stack[i]
         source.load(prefix, layer)
         linears = target_linears(layer, prefix, run.options.skip)
-        qws = results(layer_key(i), linears, lambda: _quantize_layer(run, calib, layer, linears, i),
-                      f"layer {i}", i)
+        qws = results(layer_key(i), linears, lambda: _quantize_layer(run, calib, layer, linears, i), i)
         run.install(linears, qws, run.options.propagate_bits, dense=True)
         calib.advance(layer)
         source.release(run.stack, i)
@@ -190,7 +189,7 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
     tail = run.tail_linears()
     if tail:
         t1 = time.perf_counter()
-        results(TAIL, tail, lambda: _quantize_tail(run, calib, samples, tail), "tail", len(run.stack))
+        results(TAIL, tail, lambda: _quantize_tail(run, calib, samples, tail), len(run.stack))
         run.layer_seconds[len(run.stack)] = time.perf_counter() - t1
     return bool(tail)
 

@@ -127,8 +127,8 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
     cb = codebooks.get(codebook)
     enc = check_encoder(encoder)
     h = None if hessian is None else check_hessian(hessian, W.shape[1])
-    np_, kp = padded(W.shape[0]), padded(W.shape[1])
-    n_tiles = np_ * kp // TILE_WEIGHTS
+    kp = padded(W.shape[1])
+    n_tiles = tile_count(tuple(W.shape))
     dev = _pick_device(W, n_tiles, device)
     with _reporter(progress, tuple(W.shape), n_tiles, bits, dev, enc, scale_search is not None) as report:
         return _encode_weight(W, bits, h, seed, cb, enc, damp, scale_search, dev, kp, report)
