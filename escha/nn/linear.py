@@ -106,11 +106,15 @@ class EschaLinear(nn.Module):
         """Stored bits per weight, side information included."""
         return self.qweight.bits_per_weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul."""
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W_hat^T through escha.matmul, with this layer's path or precision; no bias."""
         qw = self.qweight
         kwargs = {} if self.precision is None else {"precision": self.precision}
-        y = ops.matmul(x, qw, **kwargs) if self.path is None else ops.matmul(x, qw, path=self.path)
+        return ops.matmul(x, qw, **kwargs) if self.path is None else ops.matmul(x, qw, path=self.path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul."""
+        y = self._product(x)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import ops
 from ..format.qweight import QuantizedWeight
-from ..format.shard import ShardPlan, shard_plan
+from ..format.shard import ShardPlan, shard_plan, shard_shape
 from .linear import EschaLinear
 
 
@@ -64,9 +63,8 @@ class _Parallel:
         self.tp = tp
         self.global_shape = (int(out_features), int(in_features))
         self.shard = shard_plan(self.global_shape, self.PARALLEL_DIM, tp.rank, tp.world_size, parts)
-        local = list(self.global_shape)
-        local[self.PARALLEL_DIM] = self.shard.size
-        return local[1], local[0]  # (in, out) of this rank's slice
+        out, in_ = shard_shape(self.global_shape, self.shard)
+        return in_, out  # this rank's slice
 
     def _tp_repr(self) -> str:
         return (f", tp={self.tp.rank}/{self.tp.world_size} of {self.global_shape[0]}x{self.global_shape[1]}"
@@ -134,10 +132,7 @@ class RowParallelEschaLinear(ParallelEschaLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., local in] -> the summed product [..., out] (+ bias), in x's dtype."""
-        qw = self.qweight
-        kwargs = {} if self.precision is None else {"precision": self.precision}
-        y = ops.matmul(x, qw, **kwargs) if self.path is None else ops.matmul(x, qw, path=self.path)
-        y = all_reduce_(y, self.tp)
+        y = all_reduce_(self._product(x), self.tp)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
