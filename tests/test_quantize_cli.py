@@ -268,7 +268,7 @@ def test_a_long_gpu_run_is_announced_with_the_h200_rate(single, monkeypatch):
     from escha.model import QuantizeOptions, pipeline
     from escha.progress import SlowWorkWarning
     model = transformers.AutoModelForCausalLM.from_pretrained(single)
-    linears = pipeline._targets(model, QuantizeOptions(device="cpu"))
+    linears = pipeline.quantization_targets(model, QuantizeOptions(device="cpu"))
     opts = QuantizeOptions(bpw=2.5, device="cpu")
     with pytest.warns(SlowWorkWarning, match=r"^encoding 14 Linears \(1,280 tiles at K=2/3\) will take about "
                                             r".* at the H200's measured rate \(other GPUs differ\)"):

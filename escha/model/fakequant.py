@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..devices import model_device, resolve_device
 from ..progress import bar as progress_bar
 from .calib import calibration_seq_len, read_calibration, tokenize
-from .checkpoint import find_layer_stack, is_tied_output
+from .checkpoint import find_layer_stack
 from .engine import HessianCollector, capture_inputs, run_tail, target_linears
 from .options import QuantizeOptions
+from .pipeline import is_causal, quantization_device, quantization_targets
 
 # quantize(name, W float32 [out, in], H float32 [in, in] or None) -> W_hat [out, in]
 WeightQuantizer = Callable[[str, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -66,7 +66,7 @@ def fake_quantize_module(model: nn.Module, quantize: WeightQuantizer, options: Q
     t0 = time.perf_counter()
     report = FakeQuantReport()
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))
-    all_targets = [(n, m) for n, m in target_linears(model, "", options.skip) if not is_tied_output(model, n)]
+    all_targets = quantization_targets(model, options)
     report.params = sum(m.weight.numel() for _, m in all_targets)
     with progress_bar(len(all_targets), "fake-quantize", options.progress, unit="linear") as bar:
         _fake_quantize(model, quantize, options, tokenizer, texts, use_hessian, report, stack_name, stack,
@@ -79,8 +79,6 @@ def _fake_quantize(model: nn.Module, quantize: WeightQuantizer, options: Quantiz
                    texts: list[str] | None, use_hessian: bool, report: FakeQuantReport, stack_name: str,
                    stack: nn.ModuleList, all_targets: list[tuple[str, nn.Module]], bar: tqdm) -> None:
     """fake_quantize_module's work, advancing ``bar`` by one per Linear."""
-    from .pipeline import is_causal
-
     if not use_hessian:
         for name, mod in all_targets:
             bar.set_postfix_str(name, refresh=False)
@@ -89,7 +87,7 @@ def _fake_quantize(model: nn.Module, quantize: WeightQuantizer, options: Quantiz
             bar.update(1)
         return
 
-    device = resolve_device(options.device) if options.device is not None else model_device(model)
+    device = quantization_device(model, options)
     texts = texts if texts is not None else read_calibration(options.calib)
     samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model),
                        calibration_seq_len(model.config, options.seq_len), options.max_samples)

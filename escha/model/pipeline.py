@@ -213,9 +213,14 @@ def _tiles(linears: list[tuple[str, nn.Module]], options: QuantizeOptions) -> in
     return sum(tile_count(tuple(m.weight.shape)) for _, m in linears) * len(options.candidates)
 
 
-def _targets(model: nn.Module, options: QuantizeOptions) -> list[tuple[str, nn.Module]]:
+def quantization_targets(model: nn.Module, options: QuantizeOptions) -> list[tuple[str, nn.Module]]:
     """Every Linear the run quantizes (the tied output embedding is left as it is)."""
     return [(n, m) for n, m in target_linears(model, "", options.skip) if not is_tied_output(model, n)]
+
+
+def quantization_device(model: nn.Module, options: QuantizeOptions) -> torch.device:
+    """Where an in-memory model is quantized: ``options.device``, else where the model is."""
+    return resolve_device(options.device) if options.device is not None else model_device(model)
 
 
 def _warn_unmatched_skip(model: nn.Module, options: QuantizeOptions) -> None:
@@ -274,10 +279,10 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     """
     options = options or QuantizeOptions()
     t0 = time.perf_counter()
-    device = resolve_device(options.device) if options.device is not None else model_device(model)
+    device = quantization_device(model, options)
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))
     _warn_unmatched_skip(model, options)
-    targets = _targets(model, options)
+    targets = quantization_targets(model, options)
     _notice_if_slow(targets, options, device)
     texts = texts if texts is not None else read_calibration(options.calib)
     samples = tokenize(texts, tokenizer, model.config.vocab_size, is_causal(model),
@@ -391,7 +396,7 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         "model": os.path.abspath(model_dir), "calib": text_digest(texts), "escha": __version__,
         "calib_source": samples.source}))
 
-    targets = _targets(model, options)
+    targets = quantization_targets(model, options)
     # The notice counts the work left: layers (and a tail) an earlier run finished are resumed.
     finished = tuple(f"{stack_name}.{i}." for i in range(len(stack)) if store.has(layer_key(i)))
     left = [(n, m) for n, m in targets
