@@ -1,10 +1,8 @@
 """escha.quantize: W [out, in] -> QuantizedWeight (incoherence, scale search, LDLQ, Viterbi)."""
 from __future__ import annotations
 
-import functools
 import warnings
 from enum import Enum
-from typing import Callable, TypeVar
 
 import torch
 
@@ -85,20 +83,6 @@ def _pick_device(w: torch.Tensor, n_tiles: int, device: torch.device | str | Non
     return w.device
 
 
-F = TypeVar("F", bound=Callable)
-
-
-def _shared_cpu_workspace(fn: F) -> F:
-    """Run ``fn`` with one set of CPU DP buffers and one thread governor for all its encodes
-    (scale search, every LDLQ column); unused on GPU."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with reuse_buffers():
-            return fn(*args, **kwargs)
-    return wrapper  # type: ignore[return-value]
-
-
-@_shared_cpu_workspace
 def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None, seed: int = 0,
              codebook: str | int = "3inst", *, damp: float = DEFAULT_DAMP,
              scale_search: ScaleSearch | None = ScaleSearch(), encoder: Encoder | str = Encoder.VITERBI,
@@ -130,7 +114,10 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
     kp = padded(W.shape[1])
     n_tiles = tile_count(tuple(W.shape))
     dev = _pick_device(W, n_tiles, device)
-    with _reporter(progress, tuple(W.shape), n_tiles, bits, dev, enc, scale_search is not None) as report:
+    # One set of CPU DP buffers and one thread governor for all the encodes below (scale search,
+    # every LDLQ column); unused on GPU.
+    with reuse_buffers(), _reporter(progress, tuple(W.shape), n_tiles, bits, dev, enc,
+                                    scale_search is not None) as report:
         return _encode_weight(W, bits, h, seed, cb, enc, damp, scale_search, dev, kp, report)
 
 
@@ -219,8 +206,8 @@ def _reporter(progress: bool | ProgressFn | None, shape: tuple[int, int], n_tile
         return _Report(n_tiles, show=progress is True)
     seconds = estimate_seconds(n_tiles, bits, dev, threads=torch.get_num_threads(), scale_search=scale_search)
     if dev.type == "cpu" and seconds >= SLOW_SECONDS:
-        # stacklevel 4: the caller of escha.quantize (through the workspace wrapper and this helper)
-        warnings.warn(slow_notice(shape, n_tiles, bits, dev, seconds), SlowWorkWarning, stacklevel=4)
+        # stacklevel 3: the caller of escha.quantize (through this helper)
+        warnings.warn(slow_notice(shape, n_tiles, bits, dev, seconds), SlowWorkWarning, stacklevel=3)
     return _Report(n_tiles, show=progress is True or (wanted(None) and seconds >= BAR_MIN_SECONDS))
 
 
