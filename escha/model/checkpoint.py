@@ -16,6 +16,7 @@ from torch import nn
 
 from ..format.qweight import FormatError
 from ..io import read_header
+from ..quant.ldlq import first_non_finite
 from .errors import ModelError, UnsupportedModelError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -231,11 +232,10 @@ def check_finite(t: torch.Tensor, what: str) -> None:
     """A ModelError naming ``what`` and the first NaN/Inf position if a float tensor has any."""
     if not t.is_floating_point():
         return
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        first = bad.nonzero()[0].tolist()
-        kind = "NaN" if bool(torch.isnan(t[tuple(first)])) else "Inf"
-        raise ModelError(f"{what} has {int(bad.sum())} non-finite value(s); the first is {kind} at {first}")
+    found = first_non_finite(t)
+    if found is not None:
+        count, kind, first = found
+        raise ModelError(f"{what} has {count} non-finite value(s); the first is {kind} at {first}")
 
 
 def meta_tensors(module: nn.Module) -> list[str]:

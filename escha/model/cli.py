@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from .errors import ModelError
     from .options import QuantizeOptions
     from .pipeline import quantize_model
+    from .store import PARTIAL_DIR
 
     try:
         with one_line_warnings(PROG, args.quiet):
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         done = _partial_layers(args.out_dir)
         if done:
-            what = (f"{done} finished layer(s) are kept in {os.path.join(args.out_dir, '.partial')}; "
+            what = (f"{done} finished layer(s) are kept in {os.path.join(args.out_dir, PARTIAL_DIR)}; "
                     "run the same command again to resume from them")
         else:
             what = "no layer was finished yet; run the same command again to start over"

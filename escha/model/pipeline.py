@@ -208,9 +208,14 @@ def _quantize_tail(run: _Run, calib: Calibration, samples, tail):
     return quantize_linears(tail, collector, len(run.stack), run.options, run.progress)
 
 
+def _weight_tiles(linears: list[tuple[str, nn.Module]]) -> int:
+    """Tiles (16 x 16 weights, after padding) of these Linears' weights."""
+    return sum(tile_count(tuple(m.weight.shape)) for _, m in linears)
+
+
 def _tiles(linears: list[tuple[str, nn.Module]], options: QuantizeOptions) -> int:
     """Tiles the encoder processes for these Linears: every tile once per candidate K."""
-    return sum(tile_count(tuple(m.weight.shape)) for _, m in linears) * len(options.candidates)
+    return _weight_tiles(linears) * len(options.candidates)
 
 
 def quantization_targets(model: nn.Module, options: QuantizeOptions) -> list[tuple[str, nn.Module]]:
@@ -237,7 +242,7 @@ def _notice_if_slow(linears: list[tuple[str, nn.Module]], options: QuantizeOptio
     minute on a CPU (pointing to a GPU), over GPU_SLOW_SECONDS on a GPU (the H200's rate)."""
     if options.encoder == "greedy" or not linears:
         return
-    tiles = sum(tile_count(tuple(m.weight.shape)) for _, m in linears)
+    tiles = _weight_tiles(linears)
     gpu = sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
     work = f"encoding {len(linears)} Linears ({tiles:,} tiles at K={'/'.join(map(str, options.candidates))})"
     if device.type == "cuda":

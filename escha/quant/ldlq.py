@@ -22,6 +22,15 @@ SYMMETRY_RTOL = 1e-4  # |H - H^T| allowed, relative to max |H|
 MAX_DAMP_RETRIES = 4  # each retry multiplies the damping by 10
 
 
+def first_non_finite(t: torch.Tensor) -> tuple[int, str, list[int]] | None:
+    """(how many entries are NaN/Inf, "NaN" or "Inf" for the first, its index), or None."""
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return None
+    first = bad.nonzero()[0].tolist()
+    return int(bad.sum()), "NaN" if bool(torch.isnan(t[tuple(first)])) else "Inf", first
+
+
 def check_finite_matrix(t: object, name: str, shape: tuple[int, int] | None = None) -> torch.Tensor:
     """A 2-D, non-empty, finite floating tensor (of ``shape`` if given), or a ValueError/TypeError
     naming the problem and the first non-finite entry."""
@@ -35,11 +44,10 @@ def check_finite_matrix(t: object, name: str, shape: tuple[int, int] | None = No
         raise ValueError(f"{name} is empty: shape {list(t.shape)}")
     if not t.dtype.is_floating_point:
         raise TypeError(f"{name} must be floating point, got {t.dtype}")
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        r, c = bad.nonzero()[0].tolist()
-        kind = "NaN" if bool(torch.isnan(t[r, c])) else "Inf"
-        raise ValueError(f"{name} has {int(bad.sum())} non-finite values; first is {kind} at [{r}, {c}]")
+    found = first_non_finite(t)
+    if found is not None:
+        count, kind, (r, c) = found
+        raise ValueError(f"{name} has {count} non-finite values; first is {kind} at [{r}, {c}]")
     return t
 
 
