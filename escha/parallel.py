@@ -336,12 +336,12 @@ def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device |
     rank's model can be built in any process, e.g. to inspect it.
     """
     from safetensors import safe_open
-    from transformers import GenerationConfig
 
     from .io import _parse_meta, read_header
-    from .model.checkpoint import meta_tensors, set_tensor, tie_output_embeddings
+    from .model.checkpoint import set_tensor
     from .devices import resolve_device
-    from .model.loading import _has_module, _shards, escha_skeleton
+    from .model.loading import (_shards, check_belongs, check_complete, escha_skeleton, finish, in_dtype,
+                                 quantized_target)
 
     model_dir = os.fspath(model_dir)
     device = resolve_device(device)
@@ -361,30 +361,19 @@ def load_local(model_dir: str | os.PathLike, tp: TPGroup, device: torch.device |
                 missing = [k for k in keys if k not in stored]
                 if missing:
                     raise FormatError(f"{path}: quantized weight {name!r} is missing {missing}")
-                mod = model.get_submodule(name) if _has_module(model, name) else None
-                if not isinstance(mod, EschaLinear):
-                    raise ModelError(f"{path}: {name!r} is quantized but the model has no EschaLinear there")
-                if mod.bits != entry["bits"]:
-                    raise ModelError(f"{path}: {name!r} has K={entry['bits']}, config says K={mod.bits}")
+                mod = quantized_target(model, path, name, entry["bits"])
                 mod.set_qweight(_read_quantized(f, path, name, entry, mod).to(device))
                 used.update(keys)
             for key in sorted(stored - used):
-                if key not in expected:
-                    raise ModelError(f"{path}: tensor {key!r} does not belong to {type(model).__name__}")
+                check_belongs(model, expected, path, key)
                 owner, _, attr = key.rpartition(".")
                 t = _read_dense(f, path, key, model.get_submodule(owner) if owner else model, attr)
-                set_tensor(model, key, (t.to(dtype) if t.is_floating_point() else t).to(device))
-    tie_output_embeddings(model)
-    missing = meta_tensors(model)
-    if missing:
-        raise ModelError(f"{model_dir}: the shards lack {len(missing)} tensor(s), e.g. {missing[:4]}")
+                set_tensor(model, key, in_dtype(t, dtype).to(device))
+    check_complete(model, model_dir)
     model.to(device)
     _localize_attention(model, placements, tp.world_size)
     _record_plan(model, placements, tp)
-    gen = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen) and hasattr(model, "generation_config"):
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
-    return model.eval()
+    return finish(model, model_dir)
 
 
 def _fingerprint(model_dir: str) -> str:

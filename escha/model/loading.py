@@ -88,8 +88,6 @@ def load_model(model_dir: str | os.PathLike, device: torch.device | str | None =
     Inside an initialised torch.distributed group of several ranks (``tensor_parallel`` None or
     True), each rank loads only its tensor-parallel shards (``escha.parallel``).
     """
-    from transformers import GenerationConfig
-
     from ..parallel import load_model_parallel, tensor_parallel_active
     if tensor_parallel or (tensor_parallel is None and tensor_parallel_active()):
         # The device is resolved inside the ranks' agreement, so a bad one fails every rank.
@@ -102,21 +100,48 @@ def load_model(model_dir: str | os.PathLike, device: torch.device | str | None =
     for path in _shards(model_dir):
         for name, value in load_file(path, device).items():
             if isinstance(value, QuantizedWeight):
-                mod = model.get_submodule(name) if _has_module(model, name) else None
-                if not isinstance(mod, EschaLinear):
-                    raise ModelError(f"{path}: {name!r} is quantized but the model has no EschaLinear there")
-                if mod.bits != value.bits:
-                    raise ModelError(f"{path}: {name!r} has K={value.bits}, config says K={mod.bits}")
-                mod.set_qweight(value)
+                quantized_target(model, path, name, value.bits).set_qweight(value)
             else:
-                if name not in expected:
-                    raise ModelError(f"{path}: tensor {name!r} does not belong to {type(model).__name__}")
-                set_tensor(model, name, value.to(dtype) if value.is_floating_point() else value)
+                check_belongs(model, expected, path, name)
+                set_tensor(model, name, in_dtype(value, dtype))
+    check_complete(model, model_dir)
+    model.to(device)  # buffers built on CPU (rotary tables, position ids)
+    return finish(model, model_dir)
+
+
+def quantized_target(model: nn.Module, path: str, name: str, bits: int) -> EschaLinear:
+    """The EschaLinear that the quantized weight ``name`` (K = ``bits``) of shard ``path`` fills."""
+    mod = model.get_submodule(name) if _has_module(model, name) else None
+    if not isinstance(mod, EschaLinear):
+        raise ModelError(f"{path}: {name!r} is quantized but the model has no EschaLinear there")
+    if mod.bits != bits:
+        raise ModelError(f"{path}: {name!r} has K={bits}, config says K={mod.bits}")
+    return mod
+
+
+def check_belongs(model: nn.Module, expected: set[str], path: str, name: str) -> None:
+    """A stored plain tensor must be one of the model's (``expected``: its state-dict names)."""
+    if name not in expected:
+        raise ModelError(f"{path}: tensor {name!r} does not belong to {type(model).__name__}")
+
+
+def in_dtype(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A stored plain tensor as the model holds it: floats in ``dtype``, integers as stored."""
+    return value.to(dtype) if value.is_floating_point() else value
+
+
+def check_complete(model: nn.Module, model_dir: str) -> None:
+    """Tie the output embedding where the config says so; then no tensor may be left on meta."""
     tie_output_embeddings(model)
     missing = meta_tensors(model)
     if missing:
         raise ModelError(f"{model_dir}: the shards lack {len(missing)} tensor(s), e.g. {missing[:4]}")
-    model.to(device)  # buffers built on CPU (rotary tables, position ids)
+
+
+def finish(model: nn.Module, model_dir: str) -> nn.Module:
+    """The loaded model in eval mode, with the directory's generation config if it has one."""
+    from transformers import GenerationConfig
+
     gen = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen) and hasattr(model, "generation_config"):
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
