@@ -8,15 +8,23 @@ import torch
 from .spec import HAD_BLOCK
 
 
+def sylvester_pm1(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The unnormalized Sylvester matrix, (-1)**popcount(i & j), built with device ops only (no
+    host copy, so it may be built inside CUDA-graph capture). ``n`` is a power of two."""
+    i = torch.arange(n, device=device, dtype=torch.int64)
+    a = i[:, None] & i[None, :]
+    shift = 1
+    while shift < n.bit_length():  # fold the bits of i & j onto bit 0: their parity
+        shift *= 2
+    while shift > 1:
+        shift //= 2
+        a = a ^ (a >> shift)
+    return (1 - 2 * (a & 1)).to(dtype)
+
+
 @functools.lru_cache(maxsize=8)
 def _sylvester_pm1(n: int) -> torch.Tensor:
-    i = torch.arange(n)
-    parity = torch.zeros(n, n, dtype=torch.int64)
-    x = i[:, None] & i[None, :]
-    while bool(x.any()):
-        parity ^= x & 1
-        x = x >> 1
-    return (1 - 2 * parity).to(torch.float64)
+    return sylvester_pm1(n)
 
 
 def hadamard_matrix(n: int = HAD_BLOCK, dtype: torch.dtype = torch.float32,

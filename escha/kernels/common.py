@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..format.hadamard import sylvester_pm1
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 
@@ -189,11 +190,7 @@ def hadamard_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     key = (str(device), dtype)
     h = _HADAMARD.get(key)
     if h is None:
-        i = torch.arange(HAD_BLOCK, device=device, dtype=torch.int32)
-        a = i[:, None] & i[None, :]
-        for s in (4, 2, 1):
-            a = a ^ (a >> s)
-        h = (1 - 2 * (a & 1)).to(dtype).contiguous()
+        h = sylvester_pm1(HAD_BLOCK, device, dtype).contiguous()
         _HADAMARD[key] = h
     return h
 
