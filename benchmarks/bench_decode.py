@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 import torch
 
 from escha.format import QuantizedWeight, dequantize, random_qweight
+from escha.bench.report import git_sha
 from escha.kernels import CodecPath, decode, decode_config
 from escha.kernels._bench import Ablation, decode_ablated, decode_kernel_handle
 
@@ -37,16 +38,12 @@ def env_info() -> dict:
     import triton
     p = torch.cuda.get_device_properties(0)
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "uncommitted"
-    except OSError:
-        sha = "uncommitted"
-    try:
         clk = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True).stdout.strip()
     except OSError:
         clk = ""
     return {"gpu": p.name, "sms": p.multi_processor_count, "l2_bytes": p.L2_cache_size, "torch": torch.__version__,
-            "triton": triton.__version__, "python": sys.version.split()[0], "git": sha or "uncommitted",
+            "triton": triton.__version__, "python": sys.version.split()[0], "git": git_sha(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "clocks_mhz": clk}
 
 

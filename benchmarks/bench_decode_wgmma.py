@@ -20,6 +20,7 @@ import traceback
 import torch
 
 from escha.bench.cuda_timing import GraphTimer
+from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
 from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments,
@@ -68,20 +69,15 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,16,40,64,128,256")
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--variants", action="store_true", help="also time fragments x split variants")
-    ap.add_argument("--git", default=None, help="commit to record (when the run's checkout has no git history)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lines: list[str] = []
 
     def log(s: str) -> None:
         print(s, flush=True)
-        lines.append(s)
         with open(os.path.join(args.out, "decode_wgmma.log"), "a") as f:
             f.write(s + "\n")
 
     env = env_info()
-    if args.git:
-        env["git"] = args.git
     log(json.dumps(env))
     results = {"env": env, "gates": {}, "points": []}
     try:
@@ -97,7 +93,7 @@ def main() -> int:
             packed_words(w)  # the one-time repack, outside the timed graphs
         w_ref = dequantize(ws[0]).double()
         dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(max(2, -(-4 * l2 // (out_f * in_f * 2))))]
+                     for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
         for m in [int(v) for v in args.ms.split(",")]:
             point = {"shape": name, "N": out_f, "K": in_f, "M": m}
             try:

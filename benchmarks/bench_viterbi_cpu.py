@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import escha  # noqa: E402
+from escha.bench.report import git_sha  # noqa: E402
 from escha.format import codebooks  # noqa: E402
 from escha.quant.encode import Backend, EncodeOptions, encode_tiles  # noqa: E402
 from escha.quant.viterbi import Trellis  # noqa: E402
@@ -49,22 +50,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def git(*args: str) -> str:
-    try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def meta() -> dict:
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     return {"cpu_model": cpu_model(), "cpus": os.cpu_count(),
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "machine": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "numpy": numpy.__version__,
-            "git_sha": (git("rev-parse", "HEAD") or "unknown") + ("+dirty" if dirty else ""),
+            "git_sha": git_sha(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "loadavg_at_start": list(os.getloadavg())}
 
