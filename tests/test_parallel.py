@@ -125,8 +125,9 @@ def launch(cases: list[dict], out: str) -> list[list[dict]]:
         for p in procs:
             p.kill()
         pytest.fail(f"the ranks did not finish within {LAUNCH_TIMEOUT} s (a hang)")
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-3000:]}"
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * WORLD, f"the ranks exited with {codes}:\n" + "\n".join(
+        f"--- rank {r}:\n{log[-3000:]}" for r, log in enumerate(logs))
     return [torch.load(f"{out}.rank{r}") for r in range(WORLD)]
 
 

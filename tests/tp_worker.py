@@ -9,6 +9,7 @@ whole model split in memory; ``{"kind": "error", "dir": ..., ...}`` the exceptio
 raised on this rank. Results go to OUT_FILE.rank<r> (torch.save).
 """
 import datetime
+import faulthandler
 import json
 import os
 import sys
@@ -80,15 +81,31 @@ def run_error(case: dict, rank: int) -> dict:
 
 
 def main() -> None:
+    # A native abort prints every thread's Python stack into the log the test shows.
+    faulthandler.enable()
     out_file, cases = sys.argv[1], json.loads(sys.argv[2])
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=float(os.environ.get("ESCHA_TEST_PG_TIMEOUT", "60")))
     dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     run = {"model": run_model, "parallelize": run_parallelize, "error": lambda c: run_error(c, rank)}
-    results = [run[c["kind"]](c) for c in cases]
+    results = []
+    for i, case in enumerate(cases):
+        results.append(run[case["kind"]](case))
+        print(f"rank {rank}: case {i} ({case['kind']}) done", flush=True)
     torch.save(results, f"{out_file}.rank{rank}")
+    # No rank tears its group down while another may still be in a collective (rank 0 also
+    # serves the group's store).
+    dist.barrier()
     dist.destroy_process_group()
+    print(f"rank {rank}: finished", flush=True)
+    # Skip the interpreter's teardown. A rank once aborted with "terminate called without an
+    # active exception" and no Python error, the mark of a native thread (gloo's, the store's)
+    # destroyed at exit; everything the test reads is written by now. Should an abort come
+    # earlier, faulthandler's stacks and the case lines above say where.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
