@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     qd = qw.to(device)
     x = torch.randn(args.m, args.in_features, generator=torch.Generator().manual_seed(args.seed + 1))
     x = x.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float16)
-    path = resolve_path(args.m, x.device, qd.codebook_id, bits=qd.bits)
+    path = resolve_path(args.m, qd)
     with warnings.catch_warnings():
         # Triton's CPU interpreter casts masked-off lanes too and warns about their NaNs.
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")

@@ -166,23 +166,26 @@ def available_paths(qw: QuantizedWeight, M: int) -> list[KernelPath]:
     return [p for p, op in dispatch_table().items() if op.available(qw.device, qw.bits, M, kernels)]
 
 
-def resolve_path(m: int, device: torch.device, codebook_id: int, path: KernelPath | str | None = None,
-                 precision: Precision | str = Precision.FP8,
-                 rule: DispatchRule = DEFAULT_RULE, *, bits: int) -> KernelPath:
-    """The path a call with these arguments runs (what ``matmul`` does, without running it).
+def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = None,
+                 precision: Precision | str = Precision.FP8, rule: DispatchRule = DEFAULT_RULE) -> KernelPath:
+    """The path ``matmul(x, qw, ...)`` runs for M rows of x (what it does, without running it).
 
-    The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3):
-    on the H200 it measured faster than the portable kernel at every M <= 64 but down at M = 40
-    and 64 (4-6% slower; docs/KERNELS.md). A path asked for by name runs as asked.
+    The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3)
+    and where it measured faster than the portable kernel: wherever its GEMM starts early
+    (``decode_wgmma.preferred_over_portable``); elsewhere the portable kernel, which measured
+    faster at 6 of those 7 points (docs/KERNELS.md). A path asked for by name runs as asked.
     """
-    if not _kernels_run_on(device) or codebook_id != 0:
+    if not _kernels_run_on(qw.device) or qw.codebook_id != 0:
         # The kernels implement the 3INST codebook (id 0) only; others decode by reference.
         return KernelPath.REFERENCE
     if path is not None:
         return _PATHS[_PATH_CODE[path]]
     chosen = rule.choose(m, precision)
-    if chosen == KernelPath.DECODE and dispatch_table()[KernelPath.DECODE_WGMMA].available(device, bits, m, True):
-        return KernelPath.DECODE_WGMMA
+    if (chosen == KernelPath.DECODE
+            and dispatch_table()[KernelPath.DECODE_WGMMA].available(qw.device, qw.bits, m, True)):
+        from .kernels.decode_wgmma import preferred_over_portable
+        if preferred_over_portable(qw, m, qw.device):
+            return KernelPath.DECODE_WGMMA
     return chosen
 
 
@@ -202,9 +205,8 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     if m == 0:
         return x.new_empty((*x.shape[:-1], out_features))
     rule = DispatchRule(decode_max_m=decode_max_m, dequant_min_m=dequant_min_m)
-    chosen = resolve_path(m, x.device, codebook_id, None if path == _AUTO else _PATHS[path],
-                          _PRECISIONS[precision], rule, bits=bits)
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
+    chosen = resolve_path(m, qw, None if path == _AUTO else _PATHS[path], _PRECISIONS[precision], rule)
     return dispatch_table()[chosen].run(x2d, qw).reshape(*x.shape[:-1], out_features)
 
 

@@ -5,7 +5,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import escha
 from escha.bench.arms import make_arm
-from escha.format import dequantize, random_qweight
+from escha.format import QuantizedWeight, codebooks, dequantize, random_qweight
 from escha.ops import (DEFAULT_RULE, DispatchRule, KernelPath, Precision, available_paths, dispatch_table,
                        resolve_path)
 
@@ -47,19 +47,53 @@ def test_rule_override_is_per_call():
         rule.decode_max_m = 5  # frozen: a rule cannot be changed behind a caller's back
 
 
-def test_resolve_path_on_device():
+class Negated3Inst(codebooks.ThreeInst):
+    """A second codebook (3INST negated), which the kernels do not implement."""
+
+    name, id = "neg3inst", 7
+
+    def values(self, states):
+        return -super().values(states)
+
+
+def test_resolve_path_on_device(monkeypatch):
     dev = torch.device(DEV)
+    qw = QuantizedWeight.placeholder((256, 512), 2, device=dev)
     # Kernels run here (CUDA, or CPU under the interpreter that this module switched on).
-    assert resolve_path(65, dev, 0, bits=2) == KernelPath.DEQUANT_FP8
-    assert resolve_path(65, dev, 0, rule=DispatchRule(dequant_min_m=128), bits=2) == KernelPath.PREFILL
-    assert resolve_path(600, dev, 0, rule=DispatchRule(dequant_min_m=600), bits=2) == KernelPath.DEQUANT_FP8
-    assert resolve_path(10, dev, 0, path="dequant-bf16", bits=2) == KernelPath.DEQUANT_BF16
-    assert resolve_path(10, dev, 5, bits=2) == KernelPath.REFERENCE  # a codebook the kernels do not implement
-    # The decode range runs the register-operand kernel where it can (Hopper, K = 2, 3).
+    assert resolve_path(65, qw) == KernelPath.DEQUANT_FP8
+    assert resolve_path(65, qw, rule=DispatchRule(dequant_min_m=128)) == KernelPath.PREFILL
+    assert resolve_path(600, qw, rule=DispatchRule(dequant_min_m=600)) == KernelPath.DEQUANT_FP8
+    assert resolve_path(10, qw, path="dequant-bf16") == KernelPath.DEQUANT_BF16
+    assert resolve_path(10, qw, precision="bf16") == KernelPath.DEQUANT_BF16
+    # The decode range runs the register-operand kernel where it can (Hopper, K = 2, 3) and
+    # where its rule starts the GEMM early.
     wgmma = dispatch_table()[KernelPath.DECODE_WGMMA].available(dev, 2, 8, True)
-    assert resolve_path(8, dev, 0, bits=2) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DECODE)
-    assert resolve_path(8, dev, 0, bits=4) == KernelPath.DECODE
-    assert resolve_path(8, dev, 0, path="decode", bits=2) == KernelPath.DECODE
+    assert resolve_path(8, qw) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DECODE)
+    assert resolve_path(8, QuantizedWeight.placeholder((256, 512), 4, device=dev)) == KernelPath.DECODE
+    assert resolve_path(8, qw, path="decode") == KernelPath.DECODE
+    # A codebook the kernels do not implement decodes by reference, whatever is asked.
+    cb = Negated3Inst()
+    monkeypatch.setitem(codebooks._REGISTRY, cb.name, cb)
+    monkeypatch.setitem(codebooks._BY_ID, cb.id, cb)
+    other = QuantizedWeight.placeholder((256, 512), 2, codebook_id=cb.id, device=dev)
+    assert resolve_path(10, other) == resolve_path(10, other, path="decode") == KernelPath.REFERENCE
+
+
+def test_decode_range_takes_the_faster_kernel():
+    """Where the register-operand kernel's rule starts its GEMM late, the portable kernel
+    measured faster (docs/KERNELS.md); the choice follows the rule's early start exactly."""
+    from escha.kernels.decode_wgmma import decode_wgmma_config, preferred_over_portable
+    cuda = torch.device("cuda")  # the rule needs no GPU: a device without one counts 132 SMs
+    gate_up = QuantizedWeight.placeholder((17408, 5120), 2, device="meta")
+    down = QuantizedWeight.placeholder((5120, 8704), 2, device="meta")
+    down_8b = QuantizedWeight.placeholder((4096, 14336), 2, device="meta")
+    assert all(preferred_over_portable(gate_up, m, cuda) for m in (1, 8, 16, 40, 64, 128, 256))
+    assert [preferred_over_portable(down, m, cuda) for m in (1, 8, 16, 40, 64, 128)] == \
+        [True, True, False, False, False, True]
+    assert [preferred_over_portable(down_8b, m, cuda) for m in (1, 8, 16, 64)] == [True, True, False, False]
+    for qw in (gate_up, down, down_8b):
+        for m in range(1, 65):
+            assert preferred_over_portable(qw, m, cuda) == decode_wgmma_config(qw, m, cuda).early_start
 
 
 @pytest.mark.parametrize("m", [64, 65, 127, 128, 131])
@@ -114,8 +148,9 @@ def test_reference_on_cpu_without_interpreter(monkeypatch):
     assert common.kernels_run_on(cpu) == common.interpreted()
     monkeypatch.setattr(common, "interpreted", lambda: False)
     assert not common.kernels_run_on(cpu) and not common.ptx_enabled(cpu)
-    assert resolve_path(1000, cpu, 0, bits=2) == KernelPath.REFERENCE
-    assert resolve_path(8, cpu, 0, path="decode", bits=2) == KernelPath.REFERENCE
+    qw = QuantizedWeight.placeholder((128, 128), 2)
+    assert resolve_path(1000, qw) == KernelPath.REFERENCE
+    assert resolve_path(8, qw, path="decode") == KernelPath.REFERENCE
     assert available_paths(random_qweight(128, 128, 2), 8) == [KernelPath.REFERENCE]
 
 

@@ -52,7 +52,7 @@ def check_case(out: int, inp: int, m: int, dtype: torch.dtype, bits: int, path: 
         return f"refused:{type(e).__name__}"
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"{dtype} accepted"
     assert y.shape == (m, out) and y.dtype == dtype
-    ran = resolve_path(m, x.device, qw.codebook_id, path, bits=qw.bits)
+    ran = resolve_path(m, qw, path)
     ref = x.double() @ escha.dequantize(qw).double().T
     err = float((y.double() - ref).norm())
     rel = err / float(ref.norm())

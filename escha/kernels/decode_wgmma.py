@@ -407,6 +407,15 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
                              early_start=early)
 
 
+def preferred_over_portable(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> bool:
+    """Whether the dispatcher's decode range should run this kernel rather than the portable
+    one (decode.py) for M rows: wherever this kernel's rule starts its GEMM early. Where the rule
+    starts it late (two fragments, 16..64 tokens, fewer than 4 programs per SM) the portable
+    kernel measured faster at 6 of 7 points (this kernel took up to 9.0% longer) and 4.4% slower
+    at the seventh (note at the end of this module)."""
+    return decode_wgmma_config(qw, m, device).early_start
+
+
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU (any number of tokens), in x's dtype.
@@ -472,3 +481,11 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
 # Late never loses to plain by more than noise (down 8B M=64: 59.6 vs 59.4). Hence early at 8
 # tokens, with one fragment, or with >= 4 programs per SM; late otherwise (docs/KERNELS.md).
 # The final numbers with this rule: benchmarks/results/decode_wgmma_h200.{log,json}.
+# Against the portable kernel (decode.py, its own rule), same files, µs, this kernel / portable:
+#   started early (every gate_up M, M <= 8 everywhere): the portable kernel takes 6-18% longer
+#     at every point (gate_up M=8 44.4 / 51.2, down M=1 27.4 / 31.8, down 8B M=1 36.4 / 38.5);
+#   started late:  down M=16 31.8 / 33.2, M=40 47.0 / 44.6, M=64 50.8 / 50.3;
+#                  qkv 8B M=16 22.8 / 22.7, M=64 30.8 / 30.3; down 8B M=16 43.1 / 39.9, M=64 59.6 / 54.7.
+# Hence preferred_over_portable: this kernel where it starts early, the portable one where it
+# starts late. Worst loss against the faster of the two: 4.4% (down M=16), against 9.0% (down 8B
+# M=64) when this kernel took the whole range. Not yet timed through escha.matmul with this rule.

@@ -22,7 +22,10 @@ BITS = 2
 # Integer ops per decoded weight, for the codec-floor column: the 3INST value (mad, and, xor, two
 # fp16 extractions, add) plus the 64-bit window extraction. The same on every path.
 INT_OPS_PER_WEIGHT = 11.0
-ACT_DTYPE = torch.float16  # the codec computes in half2
+# The activations the target models run in, as the cuBLAS arms get them. With fp16 the
+# dequant-fp8 path pays a cast of its whole bf16 output (torch._scaled_mm's row-wise kernels
+# return bf16 only), up to 35% of its time at M = 8192 (docs/KERNELS.md, Prefill).
+ACT_DTYPE = torch.bfloat16
 WILDCARD = "*"
 PREFIX = "escha"
 
@@ -67,7 +70,7 @@ class EschaArm(Arm):
             if self.path not in paths:
                 raise LookupError(f"path {self.path!r} not available at M={M} (available: {paths})")
         # The gate follows the path this point runs: fp8 operands carry e4m3 rounding.
-        ran = resolve_path(M, qw.device, qw.codebook_id, self.path, bits=qw.bits).value
+        ran = resolve_path(M, qw, self.path).value
         self.meta = dataclasses.replace(self.meta, tolerance=FP8_TOLERANCE if ran in FP8_PATHS
                                         else DEFAULT_TOLERANCE)
         return qw
