@@ -1,11 +1,15 @@
 """Prefill benchmark on one GPU: escha's prefill paths against fp8 and bf16 cuBLAS, same process.
 
-Method: each arm is captured as a CUDA graph of calls that rotate over enough weight buffers to make
-the working set >= 4x L2 (escha's 2-bit weights need ~11-22 buffers, the fp8/bf16 baselines 2-3);
-graphs are replayed in interleaved rounds (>= 5, the arm order rotated each round) and timed with
-CUDA events; a row is the median per-call time. Activations are fresh random bf16 (never zeros);
-the fp8 baselines get pre-quantized activations (their quantization is not timed), escha's arms
-include their own activation transform and quantization.
+Method: the timing of ``escha bench`` (escha.bench: ``method.rotation_buffers``,
+``cuda_timing.GraphTimer``, ``method.round_order``, ``method.Spread``), so that the two agree. Each
+arm is captured as a CUDA graph of calls that rotate over enough weight buffers to make the working
+set >= 4x L2 (escha's 2-bit weights need ~12-23 buffers, the fp8/bf16 baselines 2-3); graphs are
+replayed in interleaved rounds (>= 5, the arm order rotated each round), each sample one untimed
+replay then three timed ones between CUDA events; a row is the median per-call time. Activations
+are fresh random bf16 (never zeros), as in ``escha bench``; the fp8 baselines get pre-quantized
+activations (their quantization is not timed), escha's arms include their own activation
+transform and quantization. This script adds what ``escha bench`` does not time: the parts of
+the dequantize-once path and launch-shape variants of each op.
 
 Usage: python benchmarks/bench_prefill.py [--out DIR] [--ms 512,2048,8192] [--rounds 5]
 Writes prefill.json (every sample) and prefill.md (tables) under --out; prints the table.
@@ -13,10 +17,10 @@ Writes prefill.json (every sample) and prefill.md (tables) under --out; prints t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -25,6 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from escha.bench.cuda_timing import GraphTimer  # noqa: E402
+from escha.bench.method import Spread, rotation_buffers, round_order  # noqa: E402
 from escha.format import dequantize, random_qweight  # noqa: E402
 from escha.format.qweight import QuantizedWeight  # noqa: E402
 from escha.kernels import (ActQuantConfig, actquant, actquant_config, dequant_bf16, dequant_fp8,  # noqa: E402
@@ -78,44 +84,13 @@ class Row:
     samples: list = field(default_factory=list)
 
 
-def nbuf_for(bytes_per_buf: float, l2: int) -> int:
-    return max(1, math.ceil(L2_FACTOR * l2 / bytes_per_buf))
+MIN_CALLS = 6  # calls per graph for arms on one buffer (a lone short call is mostly launch)
+_seeds = itertools.count(1)
 
 
 def random_weights(n: int, k: int, count: int, dev: str) -> list[QuantizedWeight]:
-    """``count`` weights with independent random trellis words (signs/scales shared: tiny)."""
-    base = random_qweight(n, k, 2, seed=0, device=dev)
-    out = [base]
-    for i in range(1, count):
-        tr = torch.randint(-2**31, 2**31 - 1, base.trellis.shape, device=dev, dtype=torch.int32)
-        out.append(QuantizedWeight(tr, base.su, base.sv, base.scale, base.gscale, base.shape, 2))
-    return out
-
-
-def graph_of(fn, n_calls: int):
-    """Warm fn up, then capture n_calls of fn(i) in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(n_calls, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            fn(i)
-    torch.cuda.synchronize()
-    return g
-
-
-def time_graph(g, n_calls: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / n_calls
+    """``count`` independent random weights (distinct seeds, as escha bench makes them)."""
+    return [random_qweight(n, k, 2, seed=next(_seeds), device=dev) for _ in range(count)]
 
 
 KERNELS = {
@@ -178,13 +153,12 @@ def main() -> None:
     t_start = time.time()
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
-        qw_bytes = n * k / 4 + 3 * n + k  # 2-bit trellis + signs/scales
-        nq = nbuf_for(qw_bytes, l2)
+        nq = rotation_buffers(l2, QuantizedWeight.placeholder((n, k), 2, device="meta").bits_per_weight * n * k / 8)
         qws = random_weights(n, k, nq, dev)
-        n8 = nbuf_for(n * k, l2)
+        n8 = rotation_buffers(l2, n * k)
         w8 = [torch.randn(n, k, device=dev).div_(8).to(torch.float8_e4m3fn) for _ in range(n8)]
         sb = torch.rand(1, n, device=dev) + 0.5
-        n16 = nbuf_for(2 * n * k, l2)
+        n16 = rotation_buffers(l2, 2 * n * k)
         w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(n16)]
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -223,24 +197,21 @@ def main() -> None:
                         if not math.isfinite(err) or err > 0.08:
                             print(f"  FAILED accuracy gate for {name}", flush=True)
                 del ref
-            graphs = {}
+            samplers = {}
             for name, (fn, nb) in arms.items():
-                calls = max(nb, 6)
                 try:
-                    graphs[name] = (graph_of(fn, calls), calls)
+                    samplers[name] = GraphTimer().build(fn, max(nb, MIN_CALLS), name)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {name}: capture failed: {e!r}"[:300], flush=True)
-            samples = {name: [] for name in graphs}
-            names = list(graphs)
+            samples = {name: [] for name in samplers}
+            names = list(samplers)
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                for name in order:
-                    g, calls = graphs[name]
-                    samples[name].append(time_graph(g, calls))
+                for i in round_order(len(names), r):
+                    samples[names[i]].append(samplers[names[i]].sample())
             for name in names:
-                s = samples[name]
-                rows.append(Row(shape, m, name, statistics.median(s), min(s), max(s), s))
-            del graphs
+                spread = Spread.of(samples[name])
+                rows.append(Row(shape, m, name, spread.median, spread.low, spread.high, samples[name]))
+            del samplers
             torch.cuda.empty_cache()
             base = {r.arm: r.us for r in rows if r.shape == shape and r.m == m}
             for name in names:
