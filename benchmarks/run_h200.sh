@@ -4,10 +4,12 @@
 #   ESCHA_GIT_SHA=<commit> benchmarks/run_h200.sh PHASE OUT_DIR
 # PHASE "kernels": GPU tests, decode and prefill benchmarks, compute-sanitizer.
 # PHASE "system":  escha bench (all arms), racecheck on a reduced grid.
+# PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
+#                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, system or tp}
+phase=${1:?phase: kernels, system, sweep or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,10 +38,26 @@ case "$phase" in
   system)
     ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4
     # Decode and prefill points as two runs, so a slow peer's tuning cannot cost both tables.
-    step bench_decode 120 python -m escha.cli bench --arms "$ARMS" --m 1,8,40,64 --out "$out/bench_decode"
+    step bench_decode 150 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 --out "$out/bench_decode"
     step bench_prefill 110 python -m escha.cli bench --arms "$ARMS" --m 512,2048,8192 --out "$out/bench_prefill"
     step racecheck 70 env ESCHA_SANITIZER_TOOLS=racecheck ESCHA_SANITIZER_GRID=small \
       benchmarks/run_sanitizer.sh "$out/sanitizer_racecheck_h200.txt"
+    ;;
+  sweep)
+    ARMS=escha,escha-decode,escha-decode-wgmma,escha-prefill,escha-dequant-fp8,torch-bf16,torch-fp8
+    MS=1,2,4,8,16,24,32,48,64,96,128,192,256,384,512,768,1024,2048,4096,8192
+    results=()
+    IFS=, read -ra shapes <<< "${SWEEP_SHAPES:-gate_up,down}"
+    for shape in "${shapes[@]}"; do
+      name=${shape%%x*}
+      step "sweep_$name" 280 python -m escha.cli bench --arms "$ARMS" --m "$MS" --shapes "$shape" \
+        --out "$out/sweep_$name"
+      f="$out/sweep_$name/results.json"
+      [ -f "$f" ] || f="$out/sweep_$name/results.partial.json"  # a step cut by its limit keeps its points
+      results+=("$f")
+    done
+    step fit_dispatch 60 python benchmarks/fit_dispatch.py "${results[@]}" --out "$out/fit_dispatch.md" \
+      --json "$out/fit_dispatch.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \

@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -374,16 +375,58 @@ def test_escha_arm_against_the_library_on_cpu():
     assert row.extra["buffers"] == math.ceil(4 * 128 * 64 / (arm.weight_bits(128, 256) * 128 * 256 / 8))
 
 
+# -- benchmarks/fit_dispatch.py ----------------------------------------------------------------
+def _script(name):
+    """A benchmark script, imported from its file (benchmarks/ is not a package)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fit_dispatch_minimax_over_shapes(tmp_path):
+    """At each M the path with the smallest worst loss over the shapes, ranges merged, losses
+    reported against the fastest path, the rule in force and cuBLAS; read from real results.json."""
+    fit = _script("fit_dispatch")
+    times = {  # (shape, M): {arm: µs}
+        ("down", 8): {"escha-decode": 30, "escha-decode-wgmma": 27, "escha-prefill": 90, "escha": 27, "torch-bf16": 28},
+        ("gate_up", 8): {"escha-decode": 50, "escha-decode-wgmma": 44, "escha-prefill": 120, "escha": 44,
+                         "torch-bf16": 45},
+        # At 64: wgmma is best on gate_up by 2% but loses 10% on down; decode's worst loss is 2%.
+        ("down", 64): {"escha-decode": 50, "escha-decode-wgmma": 55, "escha-prefill": 80, "escha": 55,
+                       "torch-bf16": 30},
+        ("gate_up", 64): {"escha-decode": 71.4, "escha-decode-wgmma": 70, "escha-prefill": 100, "escha": 70,
+                          "torch-bf16": 49},
+        ("down", 512): {"escha-prefill": 140, "escha-dequant-fp8": 136, "escha": 136, "torch-fp8": 53},
+        ("gate_up", 512): {"escha-prefill": 300, "escha-dequant-fp8": 215, "escha": 215, "torch-fp8": 83,
+                           "escha-dequant-bf16": 1.0},  # not a candidate: the bf16 precision's path
+    }
+    rows = [_row(arm, m, float(us), shape=shape) for (shape, m), arms in times.items() for arm, us in arms.items()]
+    rows.append(_row("escha-decode-wgmma", 512, 0.0, gate=Gate.FAIL, shape="down"))  # refused: never chosen
+    path = tmp_path / "results.json"
+    report.write_json(path, report.results_doc(META, rows, []))
+    assert fit.main([str(path), "--out", str(tmp_path / "fit.md"), "--json", str(tmp_path / "fit.json")]) == 0
+    doc = json.loads((tmp_path / "fit.json").read_text())
+    assert doc["ranges"] == [{"m_from": 8, "m_to": 8, "path": "decode-wgmma"},
+                             {"m_from": 64, "m_to": 64, "path": "decode"},
+                             {"m_from": 512, "m_to": 512, "path": "dequant-fp8"}]
+    assert doc["worst"]["fitted_loss"] == pytest.approx(0.02)
+    assert doc["worst"]["rule_loss"] == pytest.approx(0.10)
+    point = next(p for p in doc["points"] if p["shape"] == "down" and p["M"] == 64)
+    assert point["vs_bf16"] == pytest.approx(50 / 30) and point["best_path"] == "decode"
+    assert "| down | 512 | dequant-fp8 (136.0) | dequant-fp8 (136.0) | 0.0% |" in (tmp_path / "fit.md").read_text()
+    # The same point twice across inputs is an error, reported in one line with status 2.
+    assert fit.main([str(path), str(path)]) == 2
+
+
 # -- benchmarks/bench_e2e.py --------------------------------------------------------------------
 def _bench_e2e():
     """The end-to-end script, imported from its file (benchmarks/ is not a package)."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _script("bench_e2e")
 
 
 def test_e2e_results_are_written_for_the_tiny_model(tmp_path):

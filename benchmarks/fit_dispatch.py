@@ -1,0 +1,158 @@
+"""Fit escha.matmul's path rule from a dense `escha bench` sweep, and report what it loses.
+
+    python benchmarks/fit_dispatch.py RESULTS.json [RESULTS.json ...] [--out FIT.md] [--json FIT.json]
+
+Input: results.json files of ``escha bench --arms escha,escha-*,torch-bf16,torch-fp8 --m ...``
+(one row per arm, shape and M; the ``escha-<path>`` rows are the candidates, ``escha`` is the rule
+in force when the sweep ran, the torch rows the cuBLAS references).
+
+The rule may depend on M only (no per-shape table), as ``escha.ops.DispatchRule`` does. For each M
+the fit takes the candidate path whose worst loss over the shapes is smallest (loss: its time over
+the fastest candidate's at that shape and M, minus one), then merges neighbouring M with the same
+path into ranges. The report gives, at every point: the fitted path and its loss, the rule in
+force (``escha``) and its loss, and both against bf16 and fp8 cuBLAS (issue targets: at most
+1.00x bf16 at every M, at most 1.15x fp8 at M >= 2048 and 1.30x at M = 512).
+
+Candidates are the fp8-precision paths (``decode``, ``decode-wgmma``, ``prefill``, ``dequant-fp8``);
+``dequant-bf16`` is what ``precision="bf16"`` selects, and ``reference`` is not a kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CANDIDATES = ("decode", "decode-wgmma", "prefill", "dequant-fp8")
+RULE_ARM = "escha"
+PREFIX = "escha-"
+BF16_ARM, FP8_ARM = "torch-bf16", "torch-fp8"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One (shape, M) of the sweep: each arm's median µs (passing rows only)."""
+
+    shape: str
+    m: int
+    us: dict[str, float]
+
+    def best(self, paths: tuple[str, ...]) -> float:
+        times = [self.us[p] for p in paths if p in self.us]
+        return min(times) if times else math.nan
+
+
+def load_points(docs: list[dict]) -> list[Point]:
+    """Points from results.json documents; a (shape, M) seen in two files is refused."""
+    table: dict[tuple[str, int], dict[str, float]] = {}
+    seen: dict[tuple[str, int, str], int] = {}
+    for i, doc in enumerate(docs):
+        for row in doc["rows"]:
+            key = (row["shape"], row["M"], row["arm"])
+            if key in seen:
+                raise ValueError(f"{row['arm']} at {row['shape']} M={row['M']} appears in inputs {seen[key]} and {i}")
+            seen[key] = i
+            if row["gate"] == "pass" and row["us"] is not None:
+                name = row["arm"][len(PREFIX):] if row["arm"].startswith(PREFIX) else row["arm"]
+                table.setdefault((row["shape"], row["M"]), {})[name] = float(row["us"])
+    return [Point(s, m, us) for (s, m), us in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+
+
+def fit(points: list[Point], candidates: tuple[str, ...] = CANDIDATES) -> list[tuple[int, int, str]]:
+    """Ranges (m_lo, m_hi, path) over the measured M: at each M the candidate with the smallest
+    worst loss over the shapes that measured it (a path missing at a shape cannot be chosen)."""
+    chosen: list[tuple[int, str]] = []
+    for m in sorted({p.m for p in points}):
+        at_m = [p for p in points if p.m == m]
+        best_path, best_worst = None, math.inf
+        for path in candidates:
+            if any(path not in p.us for p in at_m):
+                continue
+            worst = max(p.us[path] / p.best(candidates) - 1 for p in at_m)
+            if worst < best_worst:
+                best_path, best_worst = path, worst
+        if best_path is None:
+            raise ValueError(f"no candidate path was measured at every shape at M={m}")
+        chosen.append((m, best_path))
+    ranges: list[tuple[int, int, str]] = []
+    for m, path in chosen:
+        if ranges and ranges[-1][2] == path:
+            ranges[-1] = (ranges[-1][0], m, path)
+        else:
+            ranges.append((m, m, path))
+    return ranges
+
+
+def path_at(ranges: list[tuple[int, int, str]], m: int) -> str:
+    """The fitted path at a measured M."""
+    for lo, hi, path in ranges:
+        if lo <= m <= hi:
+            return path
+    raise KeyError(m)
+
+
+def report(points: list[Point], ranges: list[tuple[int, int, str]],
+           candidates: tuple[str, ...] = CANDIDATES) -> dict:
+    """Every point's fitted path and losses, and the worst of each column."""
+    rows = []
+    for p in points:
+        path = path_at(ranges, p.m)
+        best = p.best(candidates)
+        row = {"shape": p.shape, "M": p.m, "best_path": min((c for c in candidates if c in p.us), key=p.us.get),
+               "best_us": best, "fitted_path": path, "fitted_us": p.us[path], "fitted_loss": p.us[path] / best - 1}
+        if RULE_ARM in p.us:
+            row["rule_us"] = p.us[RULE_ARM]
+            row["rule_loss"] = p.us[RULE_ARM] / best - 1
+        for arm, key in ((BF16_ARM, "vs_bf16"), (FP8_ARM, "vs_fp8")):
+            if arm in p.us:
+                row[key] = p.us[path] / p.us[arm]
+        rows.append(row)
+    worst = {k: max((r[k] for r in rows if k in r), default=None)
+             for k in ("fitted_loss", "rule_loss", "vs_bf16")}
+    return {"ranges": [{"m_from": lo, "m_to": hi, "path": path} for lo, hi, path in ranges],
+            "worst": worst, "points": rows}
+
+
+def markdown(fitted: dict) -> str:
+    out = ["## Fitted rule (M only)", ""]
+    out += [f"- M {r['m_from']}..{r['m_to']} (measured points): `{r['path']}`" for r in fitted["ranges"]]
+    w = fitted["worst"]
+    fmt = lambda v: "–" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    out += ["", f"Worst loss against the fastest path: fitted {fmt(w['fitted_loss'])}, "
+                f"rule in force {fmt(w['rule_loss'])}.", "",
+            "| shape | M | fastest path (µs) | fitted path (µs) | loss | rule in force (µs) | loss | fitted / bf16 | fitted / fp8 |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    num = lambda r, k, f: f.format(r[k]) if k in r else "–"  # noqa: E731
+    for r in fitted["points"]:
+        out.append(f"| {r['shape']} | {r['M']} | {r['best_path']} ({r['best_us']:.1f}) | {r['fitted_path']} "
+                   f"({r['fitted_us']:.1f}) | {100 * r['fitted_loss']:.1f}% | {num(r, 'rule_us', '{:.1f}')} | "
+                   f"{num(r, 'rule_loss', '{:.1%}')} | {num(r, 'vs_bf16', '{:.2f}x')} | {num(r, 'vs_fp8', '{:.2f}x')} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="+", type=Path, help="escha bench results.json files")
+    ap.add_argument("--out", type=Path, help="write the markdown report here")
+    ap.add_argument("--json", type=Path, help="write the fit as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        points = load_points([json.loads(p.read_text()) for p in args.results])
+        ranges = fit(points)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"fit_dispatch: {e}", file=sys.stderr)
+        return 2
+    fitted = report(points, ranges)
+    text = markdown(fitted)
+    print(text, end="")
+    if args.out:
+        args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"inputs": [str(p) for p in args.results], **fitted}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
