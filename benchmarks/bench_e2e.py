@@ -189,6 +189,49 @@ def measure(model, batch: int, args, device: torch.device) -> dict:
     raise RuntimeError(f"every decode mode failed: {errors}")
 
 
+# The kernels of an escha.matmul call, by role (their Triton names; the profiler reports those).
+ESCHA_GEMMS = ("_decode_wgmma_kernel", "_decode_kernel", "prefill_kernel", "dequant_hn_kernel")
+ESCHA_TRANSFORMS = ("_input_transform_kernel", "_output_transform_kernel", "absmax_kernel", "quantize_kernel",
+                    "transform_bf16_kernel")
+
+
+def kernel_role(name: str) -> str:
+    """'escha GEMM', 'escha transform' or 'other' (cuBLAS, attention, norms, elementwise)."""
+    if name.startswith(ESCHA_GEMMS):
+        return "escha GEMM"
+    if name.startswith(ESCHA_TRANSFORMS):
+        return "escha transform"
+    return "other"
+
+
+def launch_profile(model, batch: int, args, device: torch.device) -> dict:
+    """One decode step (eager, after a warm-up step) under the torch profiler: the GPU kernels it
+    launches and their time by role, and its escha.matmul calls. A graph replays the same kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    dec = Decoder(model, batch, args.prompt, 4, device, "none")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.no_grad():
+        dec.prefill()
+        dec._step()
+        sync(device)
+        with profile(activities=activities) as prof:
+            dec._step()
+            sync(device)
+    roles: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            r = roles.setdefault(kernel_role(e.name), {"launches": 0, "us": 0.0})
+            r["launches"] += 1
+            r["us"] += e.time_range.elapsed_us()
+    calls = sum(1 for e in prof.events() if e.name == "escha::matmul" and e.device_type == torch.autograd.DeviceType.CPU)
+    total = sum(r["us"] for r in roles.values())
+    gemm = roles.get("escha GEMM", {}).get("us", 0.0)
+    return {"batch": batch, "escha_matmul_calls": calls,
+            "kernel_launches": sum(r["launches"] for r in roles.values()), "by_role": roles,
+            "kernel_us": total, "kernel_us_outside_escha_gemms": total - gemm,
+            "note": "one eager decode step (batch tokens) under torch.profiler; times are GPU kernel durations"}
+
+
 def machine(device: torch.device) -> dict:
     """Where and with what the run happened (the commit: escha.bench.report.git_sha)."""
     info = {"platform": platform.platform(), "torch": torch.__version__, "escha": escha.__version__,
@@ -218,6 +261,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-128 model (CPU smoke test)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the profiled step (kernel launches and their time by role)")
     return common_arguments(ap, "bf16,escha")
 
 
@@ -267,11 +312,18 @@ def main(argv: list[str] | None = None) -> int:
         model = build(config, arm, device, args.bits)
         mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         rows = []
+        profiles = []
         for b in batches:
             rows.append(measure(model, b, args, device))
             print(f"{arm:6s} batch {b}: {rows[-1]['tokens_per_s']:.1f} tok/s "
                   f"({rows[-1]['ms_per_step']:.2f} ms/step, graphs={rows[-1]['graphs']})", flush=True)
+            if args.profile:
+                profiles.append(launch_profile(model, b, args, device))
+                print(f"{arm:6s} batch {b}: {profiles[-1]['kernel_launches']} kernel launches a step, "
+                      f"{profiles[-1]['escha_matmul_calls']} escha.matmul calls", flush=True)
         arms[arm] = {"rows": rows, "weights_bytes_on_device": mem}
+        if profiles:
+            arms[arm]["launch_profile"] = profiles
         del model
         gc.collect()
         if device.type == "cuda":

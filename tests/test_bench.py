@@ -451,6 +451,13 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
     back = json.loads(out.read_text())
     assert back["config"] == shape and back["layers"] == 2 and back["model"].startswith("tiny")
     assert back["speedup_escha_over_bf16"] == {"1": 2.0, "8": 1.5} and back["target_batch1"]["met"]
+    # The profiled step on the tiny model: every EschaLinear is one escha.matmul call.
+    with torch.no_grad():
+        prof = e2e.launch_profile(model, 2, args, cpu)
+    assert prof["escha_matmul_calls"] == 7 * 2 and prof["batch"] == 2
+    assert prof["kernel_launches"] == 0 and prof["by_role"] == {}  # no GPU kernels on a CPU
+    assert [e2e.kernel_role(n) for n in ("_decode_wgmma_kernel", "_output_transform_kernel", "nvjet_hsh_64x8")] == \
+        ["escha GEMM", "escha transform", "other"]
     full_args = e2e.parser().parse_args([])
     full = e2e.model_shape(full_args)
     doc = e2e.summarize(arms, full_args, full, e2e.make_config(full), cpu)
