@@ -199,13 +199,18 @@ def test_allocate_bits_is_greedy_by_gain_per_bit():
 def test_hessian_reaches_the_encoder(tiny, monkeypatch):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
     seen = {}
-    real = engine.quant.quantize
+    real, real_shared = engine.quant.quantize, engine.quant.quantize_shared
 
     def spy(w, bits, hessian=None, seed=0, **kw):
         seen.setdefault(w.shape, hessian)
         return real(w, bits=bits, hessian=None, seed=seed, encoder="greedy")
 
+    def spy_shared(ws, bits, hessian=None, seed=0, **kw):  # q, k, v read one input: quantized together
+        seen.setdefault(tuple(tuple(w.shape) for w in ws), hessian)
+        return real_shared(ws, bits=bits, hessian=None, seed=seed, encoder="greedy")
+
     monkeypatch.setattr(engine.quant, "quantize", spy)
+    monkeypatch.setattr(engine.quant, "quantize_shared", spy_shared)
     # Reference Hessian of layer 0's q_proj from the unquantized model on the same samples.
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
     xs = []
@@ -219,7 +224,9 @@ def test_hessian_reaches_the_encoder(tiny, monkeypatch):
     x = torch.cat(xs).float()
     want = x.T @ x / x.shape[0]
     report = quantize_module(model, QuantizeOptions(bits=2, seq_len=48, progress=False))
-    got = seen[(64, 64)]
+    qkv = next(k for k in seen if isinstance(k[0], tuple) and k[0] == (64, 64))  # layer 0's [q, k, v]
+    assert len(qkv) == 3
+    got = seen[qkv]
     assert got is not None and got.shape == (64, 64)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
     assert report.hessian.startswith("used") and all(s.hessian == "used" for s in report.stats)

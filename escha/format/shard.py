@@ -10,6 +10,11 @@ A shard's logical size is the part of the original range that its blocks cover: 
 only the rank holding the last block (whose tail is padding) has fewer than ``128 * blocks`` real
 rows. A fused dimension (``parts``, e.g. [q | k | v] or [gate | up]) is split part by part, each
 rank taking its slice of every part, concatenated in part order.
+
+The converse holds too: weights over the same input with equal input signs and global scale,
+stacked block-aligned by rows (``concat_rows``), form one valid weight whose rows are theirs (the
+padding rows of all but the last sit between them). Projections that read one input (q, k, v;
+gate, up) quantized that way (``escha.quant.quantize_shared``) run as one product.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import torch
 from .spec import HAD_BLOCK
 
 if TYPE_CHECKING:
-    from .qweight import TensorSpec
+    from .qweight import QuantizedWeight, TensorSpec
 
 
 class ShardError(ValueError):
@@ -133,3 +138,58 @@ def shard_shape(shape: Sequence[int], plan: ShardPlan) -> tuple[int, int]:
     out = [int(shape[0]), int(shape[1])]
     out[plan.dim] = plan.size
     return out[0], out[1]
+
+
+def row_offsets(out_features: Sequence[int]) -> list[int]:
+    """Where each weight's rows start in their ``concat_rows``: after the padded rows of those before."""
+    offsets, start = [], 0
+    for n in out_features:
+        offsets.append(start)
+        start += _blocks(int(n)) * HAD_BLOCK
+    return offsets
+
+
+def concat_rows(qws: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
+    """One weight whose rows are those of ``qws`` in order, each starting on a 128-block.
+
+    Every weight must read the same input: equal ``in_features``, K, codebook, input signs ``sv``
+    and global scale ``g``. The result's logical rows are the padded rows of all but the last
+    weight, then the last one's rows; weight i's rows are ``[row_offsets(...)[i], + out_i)``, bit for
+    bit (the trellis, su and scale rows are copied; nothing is re-quantized).
+    """
+    from .qweight import QuantizedWeight
+    if not qws:
+        raise ShardError("concat_rows needs at least one weight")
+    first = qws[0]
+    for i, qw in enumerate(qws[1:], 1):
+        same = (qw.in_features == first.in_features and qw.bits == first.bits and qw.codebook_id == first.codebook_id
+                and qw.device == first.device)
+        if not same:
+            raise ShardError(f"weight {i} ({qw.shape}, K={qw.bits}, codebook {qw.codebook_id}, {qw.device}) does not "
+                             f"read the input of weight 0 ({first.shape}, K={first.bits}, codebook "
+                             f"{first.codebook_id}, {first.device})")
+        if not (torch.equal(qw.sv, first.sv) and torch.equal(qw.gscale, first.gscale)):
+            raise ShardError(f"weight {i} has other input signs or another global scale than weight 0: only "
+                             f"weights quantized together (escha.quant.quantize_shared) stack into one")
+    rows = [spec.name for spec in QuantizedWeight.TENSORS if spec.axes[0] is not None and spec.axes[0][0] == 0]
+    tensors = [torch.cat([getattr(q, spec.name) for q in qws]) if spec.name in rows else getattr(first, spec.name)
+               for spec in QuantizedWeight.TENSORS]
+    out = row_offsets([q.out_features for q in qws])[-1] + qws[-1].out_features
+    return QuantizedWeight.trusted(tensors, (out, first.in_features), first.bits, first.codebook_id)
+
+
+def split_rows(qw: "QuantizedWeight", out_features: Sequence[int]) -> list["QuantizedWeight"]:
+    """The weights of ``out_features`` rows each that ``concat_rows`` stacked into ``qw`` (views of
+    its tensors, no copies): the inverse of ``concat_rows``."""
+    from .qweight import QuantizedWeight
+    offsets = row_offsets(out_features)
+    if not out_features or offsets[-1] + int(out_features[-1]) != qw.out_features:
+        raise ShardError(f"rows {list(out_features)}, each padded to whole {HAD_BLOCK}-blocks but the last, "
+                         f"do not make the {qw.out_features} rows of the weight")
+    parts = []
+    for start, n in zip(offsets, out_features):
+        b0 = start // HAD_BLOCK
+        plan = ShardPlan(0, ((b0, b0 + _blocks(int(n))),), ((start, start + int(n)),))
+        tensors = [take(spec, plan, getattr(qw, spec.name).__getitem__) for spec in QuantizedWeight.TENSORS]
+        parts.append(QuantizedWeight.trusted(tensors, (int(n), qw.in_features), qw.bits, qw.codebook_id))
+    return parts

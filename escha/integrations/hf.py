@@ -57,6 +57,8 @@ class EschaHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        from ..nn.shared import share_inputs
+        share_inputs(model)  # projections quantized over one input run as one product
         return model
 
     def is_serializable(self, safe_serialization: bool | None = None) -> bool:

@@ -114,15 +114,25 @@ def target_linears(root: nn.Module, prefix: str, skip: tuple[str, ...]) -> list[
 
 
 class HessianCollector:
-    """Accumulates H = E[x x^T] over the inputs of the given Linears (forward pre-hooks)."""
+    """Accumulates H = E[x x^T] over the inputs of the given Linears (forward pre-hooks), and
+    finds the Linears that read one input: those called one after another with the same tensor
+    (q, k, v; gate, up), which ``shared_inputs`` lists."""
 
     def __init__(self, linears: list[tuple[str, nn.Linear]]) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.count: dict[str, int] = {}
+        self._runs: list[list[str]] = []  # Linears in first-call order, grouped by input tensor
+        self._last_input: torch.Tensor | None = None  # held, so no later tensor can take its place
         self._handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in linears]
 
     def _hook(self, name: str):
         def fn(module, args):
+            if name not in self.sums:  # first call: which input does it read?
+                if self._runs and args[0] is self._last_input:
+                    self._runs[-1].append(name)
+                else:
+                    self._runs.append([name])
+                self._last_input = args[0]
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             if name not in self.sums:
                 self.sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
@@ -131,9 +141,14 @@ class HessianCollector:
             self.count[name] += x.shape[0]
         return fn
 
+    def shared_inputs(self) -> list[list[str]]:
+        """The Linears in the order of their first call, each list one input tensor's readers."""
+        return [list(r) for r in self._runs]
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._last_input = None
 
     def hessian(self, name: str) -> torch.Tensor:
         if name not in self.sums:
@@ -160,32 +175,48 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
                      ) -> tuple[dict[str, dict[int, QuantizedWeight]], list[LinearStats]]:
     """Quantize each Linear at every candidate K; returns the weights and their statistics.
 
-    The calibration Hessian goes to escha.quantize (LDLQ) unless ``options.use_hessian`` is off;
-    it always measures the proxy loss. ``progress`` advances by every tile encoded.
+    Linears that read one input (``hessians.shared_inputs()``) are quantized together
+    (``escha.quant.quantize_shared``, seeded by the first one's name), so that they run as one
+    product. The calibration Hessian goes to the quantizer (LDLQ) unless ``options.use_hessian``
+    is off; it always measures the proxy loss. ``progress`` advances by every tile encoded.
     """
     qws: dict[str, dict[int, QuantizedWeight]] = {}
     stats: list[LinearStats] = []
     encoder = {} if options.encoder is None else {"encoder": options.encoder}
-    for name, mod in linears:
+    modules = dict(linears)
+    runs = [[n for n in run if n in modules] for run in hessians.shared_inputs()]
+    seen = {n for run in runs for n in run}
+    runs = [r for r in runs if r] + [[n] for n, _ in linears if n not in seen]
+    for names in runs:
         t0 = time.perf_counter()
-        w = mod.weight.detach()
-        try:
-            quant.check_weight(w, f"{name}.weight")
-        except ValueError as e:
-            raise ModelError(str(e)) from None
-        h = hessians.hessian(name)
-        st = LinearStats(name, layer, tuple(w.shape), hessian="used" if options.use_hessian else "off")
-        qws[name] = {}
+        ws = [modules[n].weight.detach() for n in names]
+        for n, w in zip(names, ws):
+            try:
+                quant.check_weight(w, f"{n}.weight")
+            except ValueError as e:
+                raise ModelError(str(e)) from None
+        h = hessians.hessian(names[0])
+        group = [LinearStats(n, layer, tuple(w.shape), hessian="used" if options.use_hessian else "off",
+                             shared_input=names[0]) for n, w in zip(names, ws)]
+        for n in names:
+            qws[n] = {}
         if progress is not None:
-            progress.set_postfix_str(name, refresh=False)
+            progress.set_postfix_str(",".join(names), refresh=False)
+        seed = linear_seed(options.seed, names[0])
         for k in options.candidates:
-            qw = quant.quantize(w, bits=k, hessian=h if options.use_hessian else None,
-                                seed=linear_seed(options.seed, name), progress=_advance(progress), **encoder)
-            st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = measure(w, qw, h)
-            st.storage_bpw[k] = qw.bits_per_weight
-            qws[name][k] = qw
-        st.seconds = time.perf_counter() - t0
-        stats.append(st)
+            kwargs = dict(bits=k, hessian=h if options.use_hessian else None, seed=seed,
+                          progress=_advance(progress), **encoder)
+            parts = quant.quantize_shared(ws, **kwargs) if len(ws) > 1 else [quant.quantize(ws[0], **kwargs)]
+            for n, w, qw, st in zip(names, ws, parts, group):
+                st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = measure(w, qw, hessians.hessian(n))
+                st.storage_bpw[k] = qw.bits_per_weight
+                qws[n][k] = qw
+        seconds = time.perf_counter() - t0
+        for st in group:
+            st.seconds = seconds * st.params / sum(g.params for g in group)
+        stats.extend(group)
+    order = {n: i for i, (n, _) in enumerate(linears)}
+    stats.sort(key=lambda st: order[st.name])
     return qws, stats
 
 

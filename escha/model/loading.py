@@ -139,8 +139,13 @@ def check_complete(model: nn.Module, model_dir: str) -> None:
 
 
 def finish(model: nn.Module, model_dir: str) -> nn.Module:
-    """The loaded model in eval mode, with the directory's generation config if it has one."""
+    """The loaded model in eval mode, with the directory's generation config if it has one, and
+    its EschaLinears that were quantized over one input grouped to run as one product
+    (``escha.nn.share_inputs``)."""
     from transformers import GenerationConfig
+
+    from ..nn.shared import share_inputs
+    share_inputs(model)
 
     gen = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen) and hasattr(model, "generation_config"):

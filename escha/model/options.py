@@ -99,6 +99,9 @@ class LinearStats:
     storage_bpw: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     hessian: str = "used"  # "used" (LDLQ), or "off" when --no-hessian kept it out of the encoder
+    # The first Linear of the set that reads this one's input and was quantized with it
+    # (escha.quant.quantize_shared; they share K); its own name when it reads its input alone.
+    shared_input: str = ""
 
     @property
     def params(self) -> int:

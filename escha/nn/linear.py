@@ -44,6 +44,8 @@ class EschaLinear(nn.Module):
             self.register_parameter("bias", None)
         self._cache_key: tuple | None = None
         self._cache: QuantizedWeight | None = None
+        self._shared = None  # the SharedInput this layer belongs to (escha.nn.shared), if any
+        self._shared_index = -1
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -107,7 +109,12 @@ class EschaLinear(nn.Module):
         return self.qweight.bits_per_weight
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W_hat^T through escha.matmul, with this layer's path or precision; no bias."""
+        """x @ W_hat^T through escha.matmul, with this layer's path or precision; no bias. A layer
+        in a SharedInput takes its rows of the product computed once for the group."""
+        if self._shared is not None:
+            y = self._shared.product(self, x)
+            if y is not None:
+                return y
         qw = self.qweight
         kwargs = {} if self.precision is None else {"precision": self.precision}
         return ops.matmul(x, qw, **kwargs) if self.path is None else ops.matmul(x, qw, path=self.path)
@@ -118,6 +125,12 @@ class EschaLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._shared is not None:  # views of the group's stacked weight: saved as tensors of their own
+            for name in TENSOR_NAMES:
+                destination[prefix + name] = destination[prefix + name].clone()
 
     # -- device and dtype moves -----------------------------------------------------------
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]

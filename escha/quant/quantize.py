@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import warnings
 from enum import Enum
+from typing import Sequence
 
 import torch
 
 from ..format import codebooks
 from ..format.bitstream import words_from_states
 from ..format.qweight import QuantizedWeight
+from ..format.shard import split_rows
 from ..format.spec import TILE, TILE_WEIGHTS, check_bits, padded
 from ..progress import ProgressFn, SlowWorkWarning, bar, format_seconds, wanted
 from .encode import EncodeOptions, encode_tiles
@@ -119,6 +121,34 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
     with reuse_buffers(), _reporter(progress, tuple(W.shape), n_tiles, bits, dev, enc,
                                     scale_search is not None) as report:
         return _encode_weight(W, bits, h, seed, cb, enc, damp, scale_search, dev, kp, report)
+
+
+def quantize_shared(Ws: Sequence[torch.Tensor], bits: int = 2, hessian: torch.Tensor | None = None, seed: int = 0,
+                    **kwargs) -> list[QuantizedWeight]:
+    """Quantize weights that read one input (q, k, v; gate, up) together, so they run as one product.
+
+    The weights are stacked by rows, each but the last padded to whole 128-blocks, and quantized
+    as one matrix by ``quantize`` (same arguments; ``hessian`` is their shared input's): they get
+    one set of input signs and one global scale, each row keeps its own scale, and each returned
+    weight is a valid QuantizedWeight of its own shape. ``escha.format.shard.concat_rows`` stacks
+    them back into one weight at no cost, so one input transform, one GEMM and one output
+    transform serve them all (``escha.nn.share_inputs``).
+    """
+    if isinstance(Ws, torch.Tensor) or not isinstance(Ws, Sequence) or len(Ws) == 0:
+        raise TypeError("Ws must be a non-empty sequence of 2-D weight tensors")
+    for i, w in enumerate(Ws):
+        check_weight(w, f"Ws[{i}]")
+    if len({int(w.shape[1]) for w in Ws}) != 1:
+        raise ValueError(f"weights that share an input need equal in_features; got shapes {[tuple(w.shape) for w in Ws]}")
+    last = len(Ws) - 1
+    stacked = torch.cat([torch.nn.functional.pad(w.detach().float().to(Ws[0].device),
+                                                 (0, 0, 0, 0 if i == last else padded(w.shape[0]) - w.shape[0]))
+                         for i, w in enumerate(Ws)])
+    qw = quantize(stacked, bits, hessian, seed, **kwargs)
+    # Own tensors for each weight (not views of the stack), so each is stored and freed alone.
+    parts = split_rows(qw, [int(w.shape[0]) for w in Ws])
+    return [QuantizedWeight.trusted([t.clone() for t in p.tensors().values()], p.shape, p.bits, p.codebook_id)
+            for p in parts]
 
 
 def _encode_weight(W: torch.Tensor, bits: int, h: torch.Tensor | None, seed: int, cb, enc: Encoder, damp: float,

@@ -1,0 +1,146 @@
+"""Projections that read one input, run as one product: [q | k | v] or [gate | up] in one call.
+
+Weights quantized together (``escha.quant.quantize_shared``; ``escha quantize`` does it for every
+set of Linears that read the same tensor) have one set of input signs and one global scale, so
+their rows stack into one weight (``escha.format.shard.concat_rows``). A ``SharedInput`` holds
+such EschaLinears: the first of them called with an input computes the stacked product (one input
+transform, one GEMM over all their rows, one output transform: a third of the launches, and a
+GEMM wide enough to fill the GPU where k and v alone are not), and each member returns its rows
+of it. The members' weight buffers become views of the stacked tensors, so the weights are held
+once.
+
+The product is reused only by members called with the very tensor it was computed from (same
+object, unmodified), before every member has taken its rows; a member called with another input
+while others still wait means the members do not share their input after all, and the group
+stops sharing for good (each member then runs alone, as an EschaLinear does). Under
+``torch.compile`` each member runs alone.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..format.qweight import TENSOR_NAMES
+from ..format.shard import ShardError, concat_rows, row_offsets, split_rows
+from .linear import EschaLinear
+
+
+class SharedInput:
+    """EschaLinears over one input whose product is computed once for all of them."""
+
+    def __init__(self, members: Sequence[EschaLinear]) -> None:
+        if len(members) < 2:
+            raise ValueError(f"a shared input needs at least two EschaLinears, got {len(members)}")
+        self.members = list(members)
+        self.offsets = row_offsets([m.out_features for m in self.members])
+        self.diverged = False
+        self._key: tuple | None = None
+        self._merged = None
+        self._x: torch.Tensor | None = None
+        self._x_version = -1
+        self._y: torch.Tensor | None = None
+        self._pending: set[int] = set()
+        self._build()  # raises ShardError when the weights were not quantized together
+        for i, m in enumerate(self.members):
+            m._shared, m._shared_index = self, i
+
+    def _buffer_key(self) -> tuple:
+        # Identity and version of every member buffer: a move (.to) or an in-place load changes it.
+        return tuple((id(t), _version(t)) for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
+
+    def _build(self) -> None:
+        """Stack the members' weights; each member then holds views of the stack."""
+        merged = concat_rows([m.qweight for m in self.members])
+        for m, part in zip(self.members, split_rows(merged, [m.out_features for m in self.members])):
+            for name, t in part.tensors().items():
+                m._buffers[name] = t
+            m._cache_key, m._cache = None, None
+        self._merged = merged
+        self._key = self._buffer_key()
+
+    def merged(self):
+        """The stacked QuantizedWeight, rebuilt if a member's buffers were moved or rewritten."""
+        if self._buffer_key() != self._key:
+            self._build()
+        return self._merged
+
+    def product(self, member: EschaLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``member``'s x @ W^T (no bias) taken from the shared product, or None when it must run alone."""
+        if self.diverged or torch.compiler.is_compiling():
+            return None
+        settings = {(m.path, m.precision) for m in self.members}
+        if len(settings) != 1:
+            return None  # members asked for different paths or precisions
+        i = member._shared_index
+        same = self._y is not None and x is self._x and _version(x) == self._x_version
+        if self._pending and not same:
+            self._stop()  # another input while members still wait for this one: no shared input
+            return None
+        if not same or i not in self._pending:
+            if self._buffer_key() != self._key and _capturing(x):
+                return None  # restacking copies the weights: never inside a CUDA graph being captured
+            try:
+                qw = self.merged()
+            except ShardError:
+                self._stop()  # the members' weights were replaced by ones not quantized together
+                return None
+            path, precision = settings.pop()
+            kwargs = {} if precision is None else {"precision": precision}
+            self._y = ops.matmul(x, qw, **kwargs) if path is None else ops.matmul(x, qw, path=path)
+            self._x, self._x_version = x, _version(x)
+            self._pending = set(range(len(self.members)))
+        self._pending.discard(i)
+        off = self.offsets[i]
+        y = self._y[..., off:off + member.out_features]
+        if not self._pending:
+            self._x, self._y = None, None
+        return y
+
+    def _stop(self) -> None:
+        self.diverged = True
+        self._x, self._y, self._pending = None, None, set()
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place write counter (inference tensors keep none)."""
+    return None if t.is_inference() else t._version
+
+
+def share_inputs(model: nn.Module) -> int:
+    """Group the EschaLinears of ``model`` that were quantized together into ``SharedInput`` s.
+
+    Candidates are sibling EschaLinears (children of one module, e.g. q_proj, k_proj, v_proj) of
+    the same class, input width, K, codebook and device with equal input signs and global scale:
+    the mark of ``quantize_shared``. Returns the number of groups formed; members already in a
+    group are left as they are. ``escha.load_model`` calls it.
+    """
+    groups = 0
+    for parent in model.modules():
+        free = [m for m in parent.children() if isinstance(m, EschaLinear) and m._shared is None]
+        while len(free) >= 2:
+            first = free[0]
+            members = [m for m in free if type(m) is type(first) and _same_input(first, m)]
+            free = [m for m in free if m not in members]
+            if len(members) >= 2:
+                SharedInput(members)
+                groups += 1
+    return groups
+
+
+def _same_input(a: EschaLinear, b: EschaLinear) -> bool:
+    if a is b:
+        return True
+    if (a.in_features, a.bits, a.codebook_id) != (b.in_features, b.bits, b.codebook_id):
+        return False
+    sa, sb = a._buffers["sv"], b._buffers["sv"]
+    ga, gb = a._buffers["gscale"], b._buffers["gscale"]
+    if sa.device != sb.device or sa.device.type == "meta":
+        return False
+    return bool(torch.equal(sa, sb) and torch.equal(ga, gb))
