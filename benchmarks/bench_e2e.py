@@ -32,12 +32,16 @@ sys.path.insert(0, ROOT)
 
 import escha  # noqa: E402
 from escha.bench.report import git_sha  # noqa: E402
-from escha.format import random_qweight  # noqa: E402
-from escha.nn import EschaLinear, replace_linear  # noqa: E402
+from escha.format import QuantizedWeight, random_qweight  # noqa: E402
+from escha.format.shard import row_offsets, split_rows  # noqa: E402
+from escha.nn import EschaLinear, replace_linear, share_inputs  # noqa: E402
 
 QWEN3_14B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
                  rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False)
+# Linears of one module that read one input, in call order (Qwen3: attention, MLP); o_proj and
+# down_proj read their own.
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
             tie_word_embeddings=False)
@@ -57,7 +61,9 @@ def make_config(shape: dict):
 
 
 def build(config, arm: str, device: torch.device, bits: int):
-    """The bf16 model, or the same model with Escha W2 Linears in every decoder layer."""
+    """The bf16 model, or the same model with Escha W2 Linears in every decoder layer: "escha" with
+    q/k/v and gate/up each run as one product (escha.nn.share_inputs), "escha-unshared" with one
+    product per Linear."""
     import transformers
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
@@ -76,13 +82,31 @@ def build(config, arm: str, device: torch.device, bits: int):
                 value = torch.ones(p.shape, device=device) if p.dim() == 1 else torch.randn(p.shape, device=device) * 0.02
                 owner, _, attr = name.rpartition(".")
                 model.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+            # Projections that read one input get one stacked random weight, split by rows: what
+            # escha quantize gives them (escha.quant.quantize_shared), so that they can share one product.
             seed = 0
-            for name, mod in list(model.named_modules()):
+            for parent_name, parent in list(model.named_modules()):
+                if ".layers." not in parent_name + ".":
+                    continue
+                for names in SHARED_INPUTS:
+                    mods = [getattr(parent, n, None) for n in names]
+                    if not all(isinstance(m, torch.nn.Linear) for m in mods):
+                        continue
+                    stacked = random_qweight(row_offsets([m.out_features for m in mods])[-1] + mods[-1].out_features,
+                                             mods[0].in_features, bits=bits, seed=seed, device=device)
+                    seed += 1
+                    for n, m, part in zip(names, mods, split_rows(stacked, [m.out_features for m in mods])):
+                        own = QuantizedWeight.trusted([t.clone() for t in part.tensors().values()], part.shape,
+                                                      part.bits, part.codebook_id)
+                        setattr(parent, n, EschaLinear.from_quantized(own))
+            for name, mod in list(model.named_modules()):  # any other Linear of the layers, alone
                 if isinstance(mod, torch.nn.Linear) and ".layers." in name:
                     qw = random_qweight(mod.out_features, mod.in_features, bits=bits, seed=seed, device=device)
                     replace_linear(model, name, EschaLinear.from_quantized(qw))
                     seed += 1
             model.to(device)
+            if arm == "escha":
+                share_inputs(model)  # as escha.load_model does; "escha-unshared" keeps one product per Linear
     finally:
         torch.set_default_dtype(prev)
     return model.eval()

@@ -439,9 +439,14 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
     args = e2e.parser().parse_args(["--tiny", "--device", "cpu", "--out", str(out)])
     shape = e2e.model_shape(args)
     config = e2e.make_config(shape)
-    for arm in ("bf16", "escha"):
+    for arm in ("bf16", "escha-unshared", "escha"):
         model = e2e.build(config, arm, cpu, args.bits)
-        assert (type(model.model.layers[0].mlp.down_proj).__name__ == "EschaLinear") == (arm == "escha")
+        layer = model.model.layers[0]
+        assert (type(layer.mlp.down_proj).__name__ == "EschaLinear") == (arm != "bf16")
+        # q/k/v and gate/up run as one product each in the escha arm, as after escha.load_model.
+        shared = [m._shared is not None for m in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj,
+                                                 layer.mlp.down_proj)] if arm != "bf16" else []
+        assert shared == ([True, True, True, False] if arm == "escha" else [False] * 4 if arm != "bf16" else [])
 
     def rows(tokens_per_s):
         return [{"batch": b, "tokens_per_s": t} for b, t in zip((1, 8), tokens_per_s)]
@@ -451,10 +456,10 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
     back = json.loads(out.read_text())
     assert back["config"] == shape and back["layers"] == 2 and back["model"].startswith("tiny")
     assert back["speedup_escha_over_bf16"] == {"1": 2.0, "8": 1.5} and back["target_batch1"]["met"]
-    # The profiled step on the tiny model: every EschaLinear is one escha.matmul call.
+    # The profiled step on the tiny model (the escha arm): 7 Linears a layer in 4 escha.matmul calls.
     with torch.no_grad():
         prof = e2e.launch_profile(model, 2, args, cpu)
-    assert prof["escha_matmul_calls"] == 7 * 2 and prof["batch"] == 2
+    assert prof["escha_matmul_calls"] == 4 * 2 and prof["batch"] == 2
     assert prof["kernel_launches"] == 0 and prof["by_role"] == {}  # no GPU kernels on a CPU
     assert [e2e.kernel_role(n) for n in ("_decode_wgmma_kernel", "_output_transform_kernel", "nvjet_hsh_64x8")] == \
         ["escha GEMM", "escha transform", "other"]
