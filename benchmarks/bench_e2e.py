@@ -293,6 +293,10 @@ def parser() -> argparse.ArgumentParser:
 def summarize(arms: dict, args, shape: dict, config, device: torch.device) -> dict:
     """The results document: each arm's rows, the escha/bf16 speedups and what was measured."""
     results: dict = {"arms": arms}
+    if "bf16" in arms:  # every arm against bf16, batch by batch
+        base = {r["batch"]: r["tokens_per_s"] for r in arms["bf16"]["rows"]}
+        results["speedup_over_bf16"] = {a: {str(r["batch"]): r["tokens_per_s"] / base[r["batch"]] for r in v["rows"]
+                                            if r["batch"] in base} for a, v in arms.items() if a != "bf16"}
     if {"bf16", "escha"} <= set(arms):
         sp = {}
         for rb, re in zip(arms["bf16"]["rows"], arms["escha"]["rows"]):

@@ -6,10 +6,12 @@
 # PHASE "system":  escha bench (all arms), racecheck on a reduced grid.
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it.
+# PHASE "e2e":     end-to-end decode, Qwen3-14B-shaped: bf16, escha (q/k/v and gate/up as one
+#                  product each) and escha-unshared, with a profiled step per batch.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, system, sweep or tp}
+phase=${1:?phase: kernels, system, sweep, e2e or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -58,6 +60,10 @@ case "$phase" in
     done
     step fit_dispatch 60 python benchmarks/fit_dispatch.py "${results[@]}" --out "$out/fit_dispatch.md" \
       --json "$out/fit_dispatch.json"
+    ;;
+  e2e)
+    step e2e 500 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
+      --out "$out/e2e_h200.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \

@@ -456,6 +456,7 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
     back = json.loads(out.read_text())
     assert back["config"] == shape and back["layers"] == 2 and back["model"].startswith("tiny")
     assert back["speedup_escha_over_bf16"] == {"1": 2.0, "8": 1.5} and back["target_batch1"]["met"]
+    assert back["speedup_over_bf16"] == {"escha": {"1": 2.0, "8": 1.5}}
     # The profiled step on the tiny model (the escha arm): 7 Linears a layer in 4 escha.matmul calls.
     with torch.no_grad():
         prof = e2e.launch_profile(model, 2, args, cpu)
