@@ -34,7 +34,7 @@ import escha  # noqa: E402
 from escha.bench.report import git_sha  # noqa: E402
 from escha.format import QuantizedWeight, random_qweight  # noqa: E402
 from escha.format.shard import row_offsets, split_rows  # noqa: E402
-from escha.nn import EschaLinear, replace_linear, share_inputs  # noqa: E402
+from escha.nn import EschaLinear, fold_norms, replace_linear, share_inputs  # noqa: E402
 
 QWEN3_14B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
@@ -62,8 +62,9 @@ def make_config(shape: dict):
 
 def build(config, arm: str, device: torch.device, bits: int):
     """The bf16 model, or the same model with Escha W2 Linears in every decoder layer: "escha" with
-    q/k/v and gate/up each run as one product (escha.nn.share_inputs), "escha-unshared" with one
-    product per Linear."""
+    q/k/v and gate/up each run as one product (escha.nn.share_inputs) that applies the RMSNorm
+    before it (escha.nn.fold_norms), "escha-unshared" with one product per Linear and the norms
+    as the model has them."""
     import transformers
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
@@ -105,8 +106,9 @@ def build(config, arm: str, device: torch.device, bits: int):
                     replace_linear(model, name, EschaLinear.from_quantized(qw))
                     seed += 1
             model.to(device)
-            if arm == "escha":
-                share_inputs(model)  # as escha.load_model does; "escha-unshared" keeps one product per Linear
+            if arm == "escha":  # as escha.load_model does; "escha-unshared" keeps one product per Linear
+                share_inputs(model)
+                fold_norms(model)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()

@@ -8,10 +8,11 @@ from .format import FormatError, QuantizedWeight, codebooks, dequantize, random_
 from .io import load_file, save_file
 from .model import load_model, quantize_model
 from .nn import EschaLinear
+from .norm import RowNorm
 from .ops import DispatchRule, KernelPath, Precision, available_paths, matmul
 from .quant import quantize
 
 __version__ = "0.1.0"
 __all__ = ["QuantizedWeight", "FormatError", "codebooks", "quantize", "dequantize", "matmul",
            "save_file", "load_file", "random_qweight", "KernelPath", "Precision", "DispatchRule",
-           "available_paths", "load_model", "quantize_model", "EschaLinear", "__version__"]
+           "available_paths", "load_model", "quantize_model", "EschaLinear", "RowNorm", "__version__"]

@@ -43,6 +43,7 @@ import torch
 
 from .format.codec import matmul_reference
 from .format.qweight import TENSOR_NAMES, QuantizedWeight
+from .norm import RowNorm
 
 
 class KernelPath(str, enum.Enum):
@@ -80,13 +81,15 @@ class PathOp:
 
     ``run(x, qw)`` returns y in x's dtype; ``max_m`` is the most rows it serves (None: any);
     ``kernel`` says it needs the Triton kernels (common.kernels_run_on); ``runs_on(device, bits)``,
-    when given, narrows where it runs further.
+    when given, narrows where it runs further; ``fuses_norm``: ``run(x, qw, norm=...)`` applies a
+    RowNorm to x in its own input transform (the other paths get x normalised first).
     """
 
-    run: Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
+    run: Callable[..., torch.Tensor]
     max_m: int | None = None
     kernel: bool = True
     runs_on: Callable[[torch.device, int], bool] | None = None
+    fuses_norm: bool = False  # run(x, qw, norm=RowNorm) applies the norm in its input transform
 
     def available(self, device: torch.device, bits: int, m: int, kernels: bool) -> bool:
         """Whether this op can run M rows of a K=bits weight on ``device``."""
@@ -102,8 +105,8 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
     from .kernels.decode_wgmma import decode_wgmma, runs_on
     return {
         KernelPath.REFERENCE: PathOp(reference, kernel=False),
-        KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M),
-        KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on),
+        KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M, fuses_norm=True),
+        KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on, fuses_norm=True),
         KernelPath.PREFILL: PathOp(prefill),
         KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
         KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
@@ -192,27 +195,42 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
 # The custom op's schema: x, the weight's stored tensors in declaration order, then ints.
 _INT_ARGS = ("out_features", "in_features", "bits", "codebook_id", "path", "precision",
              "decode_max_m", "dequant_min_m")
+# Then, optionally, the weight and eps of a RowNorm applied to x first.
 _SCHEMA = ("(Tensor x, " + ", ".join(f"Tensor {n}" for n in TENSOR_NAMES) + ", "
-           + ", ".join(f"int {n}" for n in _INT_ARGS) + ") -> Tensor")
+           + ", ".join(f"int {n}" for n in _INT_ARGS) + ", Tensor? norm_weight=None, float norm_eps=0.0) -> Tensor")
+_N_FIXED = len(TENSOR_NAMES) + len(_INT_ARGS)
+
+
+def _out_dtype(x: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.dtype:
+    """y's dtype: x's, or the normalised x's (RowNorm.apply promotes to its weight's dtype)."""
+    return x.dtype if norm_weight is None else torch.promote_types(x.dtype, norm_weight.dtype)
 
 
 def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     """escha::matmul. path = -1 picks by rule at run time (so one compiled graph serves every M)."""
-    tensors, ints = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):]
+    tensors, ints = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):_N_FIXED]
+    norm_weight, norm_eps = (tuple(args[_N_FIXED:]) + (None, 0.0))[:2]
     out_features, in_features, bits, codebook_id, path, precision, decode_max_m, dequant_min_m = ints
     x2d = x.reshape(-1, in_features)
     m = x2d.shape[0]
     if m == 0:
-        return x.new_empty((*x.shape[:-1], out_features))
+        return x.new_empty((*x.shape[:-1], out_features), dtype=_out_dtype(x, norm_weight))
     rule = DispatchRule(decode_max_m=decode_max_m, dequant_min_m=dequant_min_m)
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
     chosen = resolve_path(m, qw, None if path == _AUTO else _PATHS[path], _PRECISIONS[precision], rule)
-    return dispatch_table()[chosen].run(x2d, qw).reshape(*x.shape[:-1], out_features)
+    op = dispatch_table()[chosen]
+    if norm_weight is None:
+        y = op.run(x2d, qw)
+    else:
+        norm = RowNorm(norm_weight, norm_eps)
+        y = op.run(x2d, qw, norm=norm) if op.fuses_norm and norm.fusable(x2d) else op.run(norm.apply(x2d), qw)
+    return y.reshape(*x.shape[:-1], out_features)
 
 
 def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:
     out_features = args[len(TENSOR_NAMES)]
-    return x.new_empty((*x.shape[:-1], out_features))
+    norm_weight = (tuple(args[_N_FIXED:]) + (None,))[0]
+    return x.new_empty((*x.shape[:-1], out_features), dtype=_out_dtype(x, norm_weight))
 
 
 _matmul_op = torch.library.custom_op("escha::matmul", _matmul_impl, mutates_args=(), schema=_SCHEMA)
@@ -221,8 +239,9 @@ _matmul_op.register_fake(_matmul_fake)
 
 def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None = None, *,
            precision: Precision | str = Precision.FP8,
-           rule: DispatchRule | None = None) -> torch.Tensor:
-    """y[..., out] = x[..., in] @ W_hat^T, returned in x's dtype.
+           rule: DispatchRule | None = None, norm: RowNorm | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T, returned in x's dtype (with ``norm``: norm(x) @ W_hat^T,
+    in norm(x)'s dtype).
 
     Args:
         x: fp16/bf16/fp32 activations on the weight's device.
@@ -231,16 +250,25 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
         precision: ``"fp8"`` (default; fp8 e4m3 GEMM operands) or ``"bf16"`` (accuracy-first:
             dequantize to bf16 and multiply in bf16). Ignored when ``path`` is given.
         rule: the dispatch thresholds; None means DEFAULT_RULE.
+        norm: an ``escha.RowNorm`` (the RMSNorm before the layer) to apply to x first: the decode
+            kernels do it in their input transform, the other paths before it (``RowNorm.apply``).
 
     NaN or Inf in a row of x turn that row of y non-finite, as they would through torch.matmul.
     """
     check_inputs(x, qw)
+    if norm is not None and not isinstance(norm, RowNorm):
+        raise TypeError(f"norm must be an escha.RowNorm, got {type(norm).__name__}")
+    if norm is not None and (norm.weight.shape[0] != qw.in_features or norm.weight.device != x.device):
+        raise ValueError(f"the norm's weight must be [{qw.in_features}] on {x.device}, got "
+                         f"{list(norm.weight.shape)} on {norm.weight.device}")
     r = DEFAULT_RULE if rule is None else rule
     if path is not None and path not in _PATH_CODE:
         raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
     if precision not in _PRECISION_CODE:
         raise ValueError(f"unknown precision {precision!r}; choose one of {[p.value for p in _PRECISIONS]}")
     code = _AUTO if path is None else _PATH_CODE[path]
-    return torch.ops.escha.matmul(x, *qw.tensors().values(), qw.out_features, qw.in_features, qw.bits,
-                                  qw.codebook_id, code, _PRECISION_CODE[precision], r.decode_max_m,
-                                  r.dequant_min_m)
+    ints = (qw.out_features, qw.in_features, qw.bits, qw.codebook_id, code, _PRECISION_CODE[precision],
+            r.decode_max_m, r.dequant_min_m)
+    if norm is None:
+        return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints)
+    return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints, norm.weight, float(norm.eps))

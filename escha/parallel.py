@@ -31,6 +31,7 @@ from .format.shard import ShardError, shard_plan, shard_shape, supported_degrees
 from .format.spec import HAD_BLOCK, check_bits, padded
 from .model.errors import ModelError
 from .nn.linear import EschaLinear, replace_linear
+from .nn.shared import share_inputs
 from .nn.parallel import PARALLEL_CLASSES, ParallelEschaLinear, ParallelLinear, TPGroup
 
 __all__ = ["Placement", "TPGroup", "ShardError", "model_tp_plan", "plan_placements", "parallelize",
@@ -252,11 +253,16 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.
         if isinstance(mod, EschaLinear):
             new = cls.from_full(mod.qweight, mod.bias, tp, p.parts)
             new.path, new.precision = mod.path, mod.precision
+            if mod._input_norm is not None:  # a folded RMSNorm (fold_norms) reads whole rows:
+                if p.dim != 0:  # only a layer that keeps its whole input can apply it
+                    raise ModelError(f"{name} applies a folded RMSNorm but is split along its input")
+                object.__setattr__(new, "_input_norm", mod._input_norm)
         else:
             new = cls.from_full(mod, tp, p.parts)
         replace_linear(model, name, new)
     _localize_attention(model, placements, tp.world_size)
     _record_plan(model, placements, tp)
+    share_inputs(model)  # this rank's q/k/v (gate/up) shards, as one product again
     return model
 
 

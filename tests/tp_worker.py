@@ -26,8 +26,11 @@ from escha.nn import set_matmul_path  # noqa: E402
 PROMPT = [[3, 17, 99, 42, 7, 128]]
 
 
-def exact_matmul(x, qw, **_):
-    """x @ W_hat^T with the exact dequantized weight, in x's dtype (float64 here)."""
+def exact_matmul(x, qw, norm=None, **_):
+    """norm(x) @ W_hat^T with the exact dequantized weight, in x's dtype (float64 here); ``norm``
+    is the RMSNorm a projection applies when its layer's norm is folded into it."""
+    if norm is not None:
+        x = norm.apply(x)
     return x @ escha.dequantize(qw).to(x.dtype).T
 
 

@@ -129,7 +129,7 @@ CORE_FP8_SCALE = tl.constexpr(64.0)
 HN_FP8_SCALE = tl.constexpr(0.5)
 
 _INTERPRETED_C = tl.constexpr(_INTERPRETED)
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:
@@ -138,7 +138,7 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     The interpreter's bf16 arithmetic is unreliable under numpy 2 (a bf16 tl.dot returned
     garbage), so interpreted runs use fp32, which holds every fp16/bf16 value exactly.
     """
-    return tl.float32 if interpreted() else _DOT_DTYPES[dtype]
+    return tl.float32 if interpreted() else TL_DTYPES[dtype]
 
 
 # -- Workspace cache ----------------------------------------------------------------------------

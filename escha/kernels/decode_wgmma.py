@@ -45,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
+from ..norm import RowNorm
 from .common import check_codebook, check_operands, dependent_launch_supported, interpreted, output_tensor
 from .transforms import hadamard_input, hadamard_output
 from .triton_compat import tma_async_load
@@ -417,23 +418,24 @@ def preferred_over_portable(qw: QuantizedWeight, m: int, device: torch.device | 
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, norm: RowNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU (any number of tokens), in x's dtype.
 
     x may be fp16, bf16 or fp32, any strides. The weight's words are repacked on the first call
     (``packed_words``). ``out``, if given, is a preallocated [M, out_features] tensor of x's
-    dtype with unit column stride.
+    dtype with unit column stride. ``norm`` (weight of x's dtype) is applied to x first, in the
+    input transform: norm(x) @ W_hat^T.
     """
     check_operands(x, qw, "decode_wgmma")
     check_codebook(qw, "decode_wgmma")
     if not runs_on(x.device, qw.bits):
         raise ValueError(f"decode_wgmma runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
                          f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
-    return _launch(x, qw, config, out)
+    return _launch(x, qw, config, out, norm)
 
 
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None,
-            out: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor | None, norm: RowNorm | None = None) -> torch.Tensor:
     """Allocate and launch (operands already checked; compile_check calls it off the GPU)."""
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
@@ -442,7 +444,8 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     nkb = kp // BLOCK_K
     words = packed_words(qw)
     pdl = cfg.dependent_launch
-    xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl, release_early=pdl and cfg.early_start)
+    xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl, release_early=pdl and cfg.early_start,
+                             norm=norm)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))

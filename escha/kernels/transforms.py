@@ -19,33 +19,57 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .common import (INV_SQRT_HAD, SQRT_HAD, dot_dtype, hadamard_operand, load_hadamard, release_dependents, round_to,
-                     row_scale_block, wait_for_producer)
+from ..norm import RowNorm
+from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, dot_dtype, hadamard_operand, load_hadamard,
+                     release_dependents, round_to, row_scale_block, wait_for_producer)
 
 
 @triton.jit
-def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, stride_xm, stride_xk,
+def _normed(x, nw_ptr, k, mask, rstd, NORM: tl.constexpr, X_DTYPE: tl.constexpr):
+    """x (fp32 values of x's dtype) as the model's RMSNorm returns it: weight * dtype(x * rstd),
+    rounded to x's dtype (the norm's weight has x's dtype); x itself without NORM."""
+    if NORM:
+        w = tl.load(nw_ptr + k, mask=mask, other=0.0).to(tl.float32)
+        return round_to(w * round_to(x * rstd, X_DTYPE).to(tl.float32), X_DTYPE).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
                             DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
-                            RELEASE_EARLY: tl.constexpr):
+                            RELEASE_EARLY: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
     MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order). With PDL
     and RELEASE_EARLY the GEMM that reads x' is released at once, so it can fetch its weights
-    while this runs; without RELEASE_EARLY it launches as this kernel's programs exit.
+    while this runs; without RELEASE_EARLY it launches as this kernel's programs exit. With NORM
+    the row first goes through the RMSNorm that precedes the layer (weight ``nw``, ``eps``), as
+    the model computes it: x * rsqrt(mean(x**2) + eps) in fp32, rounded to x's dtype, times the
+    weight, rounded again.
     """
     wait_for_producer(PDL)
     release_dependents(PDL and RELEASE_EARLY)
     m = tl.program_id(0)
     pc = tl.program_id(1)
     row = x_ptr + m.to(tl.int64) * stride_xm
-    # Pass 1: the row's max |x| (every program of the row computes the same value).
-    amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
     # Trip counts are constexpr throughout these kernels: a loop bound read from a runtime
     # argument is not supported by the CPU interpreter with numpy >= 2.4.
+    rstd = 1.0
+    if NORM:  # Pass 0: the row's mean square (every program of the row computes the same value)
+        ss = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
+        for i in range(AMAX_STEPS):
+            k = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
+            v = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
+            ss += v * v
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / K_in + eps)
+    # Pass 1: the row's max |x| (every program of the row computes the same value).
+    amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
     for i in range(AMAX_STEPS):
         k = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
-        amax = tl.maximum(amax, tl.abs(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)))
+        v = _normed(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32), nw_ptr, k, k < K_in,
+                    rstd, NORM, X_DTYPE)
+        amax = tl.maximum(amax, tl.abs(v))
     a = tl.max(amax, axis=0)
     # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
     q = 32768.0 / (a * SQRT_HAD)
@@ -58,7 +82,8 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
     b = pc * CH + tl.arange(0, CH)[:, None]
     j = tl.arange(0, 128)[None, :]
     k = b * 128 + j
-    xs = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
+    xs = _normed(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32), nw_ptr, k, k < K_in,
+                 rstd, NORM, X_DTYPE)
     xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
     # Sign flips keep x exact in its own dtype, and so is the +-1 matrix: a dot in x's dtype
     # (DOT_DTYPE) has exact products and fp32 sums. fp32 inputs take tf32x3.
@@ -79,16 +104,21 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, K_in, Kp, str
 
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
-                   dependent_launch: bool = False, release_early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   dependent_launch: bool = False, release_early: bool = False,
+                   norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
     two (module docstring). ``mma_order`` stores each 128-block in decode_wgmma's column order;
     ``dependent_launch`` launches as a programmatic dependent (common.dependent_launch_supported);
     ``release_early`` then lets the next kernel launch at once rather than as this one's programs exit.
+    ``norm`` (its weight of x's dtype) applies the RMSNorm before the layer first (``RowNorm.fusable``).
     """
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
+    if norm is not None and not norm.fusable(x2d):
+        raise ValueError(f"the norm's weight must be a [{qw.in_features}] {x2d.dtype} tensor on {x2d.device} "
+                         f"to be applied in the input transform")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
     out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
@@ -98,10 +128,12 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
     ddt = dot_dtype(x2d.dtype)
     # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
-    _input_transform_kernel[grid](x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale, qw.in_features,
-                                  kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
+    _input_transform_kernel[grid](x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale,
+                                  x2d if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+                                  qw.in_features, kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
                                   AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
-                                  MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early, num_warps=4,
+                                  MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early,
+                                  NORM=norm is not None, X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4,
                                   launch_pdl=dependent_launch)
     return out, inv_scale
 

@@ -139,13 +139,14 @@ def check_complete(model: nn.Module, model_dir: str) -> None:
 
 
 def finish(model: nn.Module, model_dir: str) -> nn.Module:
-    """The loaded model in eval mode, with the directory's generation config if it has one, and
-    its EschaLinears that were quantized over one input grouped to run as one product
-    (``escha.nn.share_inputs``)."""
+    """The loaded model in eval mode, with the directory's generation config if it has one, its
+    EschaLinears that were quantized over one input grouped to run as one product
+    (``escha.nn.share_inputs``), and the RMSNorms before them folded into them (``fold_norms``)."""
     from transformers import GenerationConfig
 
-    from ..nn.shared import share_inputs
+    from ..nn import fold_norms, share_inputs
     share_inputs(model)
+    fold_norms(model)
 
     gen = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen) and hasattr(model, "generation_config"):

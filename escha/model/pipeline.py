@@ -22,6 +22,7 @@ from tqdm import tqdm
 from ..devices import model_device, resolve_device
 from ..format.qweight import QuantizedWeight
 from ..nn.linear import EschaLinear, dense_linear, replace_linear
+from ..nn.norms import fold_norms
 from ..nn.shared import share_inputs
 from ..progress import SlowWorkWarning, bar, format_seconds
 from ..quant import estimate_seconds, tile_count
@@ -299,10 +300,12 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
         calib = capture_inputs(model, stack[0], samples.samples, device)
         _quantize_stack(run, calib, samples.samples, source)
     bits_map = _finish_bits(run)
-    # The final modules: EschaLinears at the chosen K, keeping the original biases, and those
-    # quantized over one input grouped to run as one product, as escha.load_model does.
+    # The final modules: EschaLinears at the chosen K, keeping the original biases, those
+    # quantized over one input grouped to run as one product and the RMSNorms before them
+    # folded into them, as escha.load_model does.
     run.install(source.linears, source.candidates, bits_map, dense=False)
     share_inputs(model)
+    fold_norms(model)
     return _report(run, bits_map, {"source": samples.source, "samples": len(samples.samples),
                                    "tokens": samples.tokens}, t0)
 

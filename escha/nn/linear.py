@@ -6,6 +6,7 @@ from torch import nn
 
 from .. import ops
 from ..format.qweight import TENSOR_NAMES, QuantizedWeight
+from ..norm import RowNorm
 
 
 class EschaLinear(nn.Module):
@@ -46,6 +47,9 @@ class EschaLinear(nn.Module):
         self._cache: QuantizedWeight | None = None
         self._shared = None  # the SharedInput this layer belongs to (escha.nn.shared), if any
         self._shared_index = -1
+        # The FoldedNorm whose RMSNorm this layer applies to its input (escha.nn.norms), if any:
+        # set without registering it as a submodule, so that it is saved once, where the model has it.
+        object.__setattr__(self, "_input_norm", None)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -108,16 +112,19 @@ class EschaLinear(nn.Module):
         """Stored bits per weight, side information included."""
         return self.qweight.bits_per_weight
 
+    @property
+    def input_norm(self) -> RowNorm | None:
+        """The RMSNorm this layer applies to its input first (``escha.nn.fold_norms``), or None."""
+        return None if self._input_norm is None else self._input_norm.row_norm()
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W_hat^T through escha.matmul, with this layer's path or precision; no bias. A layer
-        in a SharedInput takes its rows of the product computed once for the group."""
+        """x @ W_hat^T through escha.matmul, with this layer's path or precision (and input norm);
+        no bias. A layer in a SharedInput takes its rows of the product computed once for the group."""
         if self._shared is not None:
             y = self._shared.product(self, x)
             if y is not None:
                 return y
-        qw = self.qweight
-        kwargs = {} if self.precision is None else {"precision": self.precision}
-        return ops.matmul(x, qw, **kwargs) if self.path is None else ops.matmul(x, qw, path=self.path)
+        return matmul_with(x, self.qweight, self.path, self.precision, self.input_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul."""
@@ -157,6 +164,15 @@ class EschaLinear(nn.Module):
                 f"bias={self.bias is not None}, bits={self.bits}"
                 + ("" if self.path is None else f", path={self.path!r}")
                 + ("" if self.precision is None else f", precision={self.precision!r}"))
+
+
+def matmul_with(x: torch.Tensor, qw: QuantizedWeight, path: str | None, precision: str | None,
+                norm: RowNorm | None) -> torch.Tensor:
+    """escha.matmul with a layer's settings: a forced path wins over a precision."""
+    kwargs = {} if norm is None else {"norm": norm}
+    if path is not None:
+        return ops.matmul(x, qw, path=path, **kwargs)
+    return ops.matmul(x, qw, **kwargs) if precision is None else ops.matmul(x, qw, precision=precision, **kwargs)
 
 
 def set_matmul_path(model: nn.Module, path: str | None) -> int:

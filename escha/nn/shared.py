@@ -22,10 +22,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .. import ops
 from ..format.qweight import TENSOR_NAMES
 from ..format.shard import ShardError, concat_rows, row_offsets, split_rows
-from .linear import EschaLinear
+from .linear import EschaLinear, matmul_with
 
 
 class SharedInput:
@@ -71,9 +70,9 @@ class SharedInput:
         """``member``'s x @ W^T (no bias) taken from the shared product, or None when it must run alone."""
         if self.diverged or torch.compiler.is_compiling():
             return None
-        settings = {(m.path, m.precision) for m in self.members}
+        settings = {(m.path, m.precision, id(m._input_norm)) for m in self.members}
         if len(settings) != 1:
-            return None  # members asked for different paths or precisions
+            return None  # members asked for different paths, precisions or input norms
         i = member._shared_index
         same = self._y is not None and x is self._x and _version(x) == self._x_version
         if self._pending and not same:
@@ -87,9 +86,7 @@ class SharedInput:
             except ShardError:
                 self._stop()  # the members' weights were replaced by ones not quantized together
                 return None
-            path, precision = settings.pop()
-            kwargs = {} if precision is None else {"precision": precision}
-            self._y = ops.matmul(x, qw, **kwargs) if path is None else ops.matmul(x, qw, path=path)
+            self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm)
             self._x, self._x_version = x, _version(x)
             self._pending = set(range(len(self.members)))
         self._pending.discard(i)

@@ -1,0 +1,39 @@
+"""RowNorm: the RMSNorm in front of a layer, which escha.matmul can apply to x before the product.
+
+A decoder layer normalises the residual stream just before its q/k/v and its gate/up projections
+(``input_layernorm``, ``post_attention_layernorm`` in Llama, Mistral and Qwen). When those
+projections run as one product (escha.nn.share_inputs), the norm can go into the product's
+input transform, which reads every row anyway: ``escha.nn.fold_norms`` does that, and
+``escha.matmul(x, qw, norm=RowNorm(weight, eps))`` computes ``norm(x) @ W_hat^T``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """y = weight * dtype(x * rsqrt(mean(x**2, -1) + eps)), the row RMSNorm of Llama-style models."""
+
+    weight: torch.Tensor  # [in_features]
+    eps: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, torch.Tensor) or self.weight.dim() != 1:
+            raise TypeError("RowNorm.weight must be a 1-D tensor")
+        if not self.eps >= 0:
+            raise ValueError(f"RowNorm.eps must be non-negative, got {self.eps!r}")
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm as the model computes it (transformers' LlamaRMSNorm), in PyTorch."""
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether a kernel's input transform can apply it to x: a weight of x's dtype and width
+        on x's device (then the result keeps x's dtype, as ``apply`` gives it)."""
+        return (self.weight.dtype == x.dtype and self.weight.device == x.device
+                and self.weight.shape[0] == x.shape[-1] and self.weight.is_contiguous())

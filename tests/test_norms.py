@@ -1,0 +1,169 @@
+"""The RMSNorm before a layer's projections, applied in their input transform (escha.RowNorm,
+escha.nn.fold_norms)."""
+import pytest
+import torch
+
+import escha
+from escha import RowNorm
+from escha.format import dequantize, random_qweight
+from escha.nn import EschaLinear, FoldedNorm, fold_norms, set_matmul_path
+from escha.quant import quantize_shared
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+IN = 320  # three Hadamard blocks, the last one part padding
+
+
+def _norm(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return RowNorm((torch.rand(IN, generator=g) + 0.5).to(dtype), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_norm_is_the_models_rmsnorm(dtype):
+    norm = _norm(dtype)
+    hf = LlamaRMSNorm(IN, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(norm.weight)
+    x = (torch.randn(4, 7, IN) * 5).to(dtype)
+    assert torch.equal(norm.apply(x), hf(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_decode_applies_the_norm_in_its_input_transform(dtype, bits):
+    """The decode kernel (Triton's interpreter here) with the norm in its input transform, against
+    the product of the normalised rows: the norm only moves where x' is rounded to fp16."""
+    qw = random_qweight(256, IN, bits, seed=bits)
+    norm = _norm(dtype, seed=bits)
+    x = (torch.randn(5, IN) * 4).to(dtype)
+    fused = escha.matmul(x, qw, path="decode", norm=norm)
+    normed = norm.apply(x)
+    ref = normed.double() @ dequantize(qw).double().T
+    assert fused.dtype == dtype and fused.shape == (5, 256)
+    rel = float((fused.double() - ref).norm() / ref.norm())
+    assert rel < 2.0**-10 + (2.0**-11 if dtype == torch.float16 else 0), rel  # decode's tolerance (KERNELS.md)
+    # The reference path normalises first, exactly as the model does: bit for bit the product of norm.apply(x).
+    assert torch.equal(escha.matmul(x, qw, path="reference", norm=norm), escha.matmul(normed, qw, path="reference"))
+
+
+def test_norm_the_kernel_cannot_take_is_applied_first():
+    """A norm whose weight has another dtype than x (fp32 weight, fp16 x) runs in PyTorch before
+    the kernel; the result has the normalised rows' dtype, as in the model."""
+    qw = random_qweight(128, IN, 2, seed=4)
+    norm = _norm(torch.float32)
+    x = torch.randn(3, IN).half()
+    y = escha.matmul(x, qw, path="decode", norm=norm)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, escha.matmul(norm.apply(x), qw, path="decode"))
+
+
+def test_bad_norms_are_refused():
+    qw = random_qweight(128, IN, 2)
+    x = torch.randn(2, IN)
+    with pytest.raises(TypeError, match="escha.RowNorm"):
+        escha.matmul(x, qw, norm=(torch.ones(IN), 1e-6))
+    with pytest.raises(ValueError, match=r"\[320\]"):
+        escha.matmul(x, qw, norm=RowNorm(torch.ones(IN + 1), 1e-6))
+    with pytest.raises(ValueError, match="non-negative"):
+        RowNorm(torch.ones(IN), -1.0)
+    with pytest.raises(TypeError, match="1-D"):
+        RowNorm(torch.ones(2, IN), 1e-6)
+
+
+def _llama(tmp_path, skip=("lm_head",)):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms initialise to ones, which would hide a weight left out
+        for m in model.modules():
+            if isinstance(m, LlamaRMSNorm):
+                m.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "src")
+    from escha.model import QuantizeOptions, quantize_model
+    quantize_model(str(tmp_path / "src"), str(tmp_path / "q"),
+                   QuantizeOptions(bits=2, encoder="greedy", use_hessian=False, seq_len=32, progress=False, skip=skip))
+    return str(tmp_path / "q")
+
+
+def test_loaded_model_folds_its_norms(tmp_path):
+    from escha.model import load_model
+    path = _llama(tmp_path)
+    model = load_model(path)
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, FoldedNorm) and isinstance(layer.post_attention_layernorm, FoldedNorm)
+    assert layer.self_attn.q_proj.input_norm is not None and layer.self_attn.o_proj.input_norm is None
+    assert isinstance(model.model.norm, LlamaRMSNorm)  # the final norm feeds the (dense) head: kept
+    state = model.state_dict()
+    assert "model.layers.0.input_layernorm.weight" in state and not any("input_norm" in k for k in state)
+    # The same model without folding: the reference path normalises exactly as the model does.
+    plain = load_model(path)
+    for lyr in plain.model.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            folded = getattr(lyr, name)
+            norm = LlamaRMSNorm(folded.weight.shape[0], eps=folded.variance_epsilon)
+            norm.weight = folded.weight
+            setattr(lyr, name, norm)
+        for m in lyr.modules():
+            if isinstance(m, EschaLinear):
+                object.__setattr__(m, "_input_norm", None)
+    ids = torch.tensor([[3, 17, 99, 42, 7, 128]])
+    with torch.no_grad():
+        set_matmul_path(model, "reference")
+        set_matmul_path(plain, "reference")
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+        # The kernels (the interpreter here) apply the norm in the input transform: same tokens.
+        set_matmul_path(model, None)
+        set_matmul_path(plain, None)
+        a = model.generate(ids, max_new_tokens=4, do_sample=False)
+        b = plain.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_norm_with_a_dense_reader_is_kept(tmp_path):
+    """v_proj left dense: it must get the normalised input, so input_layernorm stays; the MLP's folds."""
+    from escha.model import load_model
+    model = load_model(_llama(tmp_path, skip=("lm_head", "v_proj")))
+    layer = model.model.layers[0]
+    assert isinstance(layer.input_layernorm, LlamaRMSNorm)
+    assert isinstance(layer.post_attention_layernorm, FoldedNorm)
+    assert fold_norms(model) == 0  # nothing left to fold
+
+
+def test_unknown_layer_classes_are_left_alone():
+    """A layer shaped like Llama's but of a class whose forward is not known: not folded (its norm
+    may feed something else)."""
+
+    class MyDecoderLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = LlamaRMSNorm(64)
+            self.self_attn = torch.nn.Module()
+            for name, qw in zip(("q_proj", "k_proj", "v_proj"),
+                                quantize_shared([torch.randn(64, 64) for _ in range(3)], encoder="greedy")):
+                setattr(self.self_attn, name, EschaLinear.from_quantized(qw))
+
+    layer = MyDecoderLayer()
+    assert fold_norms(layer) == 0 and isinstance(layer.input_layernorm, LlamaRMSNorm)
+    assert layer.self_attn.q_proj.input_norm is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["decode", "decode-wgmma"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_norm_in_the_input_transform_on_the_gpu(path, m):
+    """bf16 rows of a Qwen3-14B width through the RMSNorm in the input transform, against fp64 of the
+    normalised rows (norm.apply, as the model computes it), within the decode tolerance."""
+    if path == "decode-wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("decode-wgmma runs on Hopper")
+    qw = random_qweight(1024, 5120, 2, seed=m, device="cuda")
+    norm = RowNorm((torch.rand(5120, device="cuda") + 0.5).to(torch.bfloat16), 1e-6)
+    x = (torch.randn(m, 5120, device="cuda") * 3).to(torch.bfloat16)
+    y = escha.matmul(x, qw, path=path, norm=norm)
+    ref = norm.apply(x).double() @ dequantize(qw).double().T
+    assert y.dtype == torch.bfloat16
+    rel = float((y.double() - ref).norm() / ref.norm())
+    assert rel < 2.0**-8 + 2.0**-10, rel  # bf16 output, fp16 operands (KERNELS.md tolerance table)
