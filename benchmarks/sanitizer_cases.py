@@ -25,7 +25,8 @@ if os.environ.get("ESCHA_SANITIZER_GRID") == "small":
     SHAPES, MS = [(17, 130), (257, 300)], [7, 65]
 # Relative error bounds for bf16 outputs (docs/KERNELS.md tolerance tables): bf16 output rounding
 # (2**-9) bounds the bf16-output paths, e4m3 operand rounding the fp8 ones.
-TOL = {"reference": 1e-2, "decode": 1e-2, "dequant-bf16": 2e-2, "prefill": 8e-2, "dequant-fp8": 8e-2}
+TOL = {"reference": 1e-2, "decode": 1e-2, "decode-wgmma": 1e-2, "dequant-bf16": 2e-2, "prefill": 8e-2,
+       "dequant-fp8": 8e-2}
 
 
 def main() -> int:
@@ -48,14 +49,19 @@ def main() -> int:
             for m in MS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ dense.T
+                norm = escha.RowNorm((torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16), 1e-6)
+                ref_norm = norm.apply(x).float() @ dense.T
                 for path in available_paths(qw, m):
-                    y = escha.matmul(x, qw, path=path)
-                    rel = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-                    ok = bool(torch.isfinite(y).all()) and rel <= TOL[str(path)]
-                    cases += 1
-                    failures += not ok
-                    if not ok:
-                        print(f"FAIL {path} K={bits} {n}x{k} M={m}: rel {rel:.3e}")
+                    # Each path alone, then with an RMSNorm applied first (in the input transform
+                    # of the decode kernels).
+                    for label, y, want in ((str(path), escha.matmul(x, qw, path=path), ref),
+                                           (f"{path}+norm", escha.matmul(x, qw, path=path, norm=norm), ref_norm)):
+                        rel = float((y.float() - want).norm() / want.norm().clamp_min(1e-30))
+                        ok = bool(torch.isfinite(y).all()) and rel <= TOL[str(path)]
+                        cases += 1
+                        failures += not ok
+                        if not ok:
+                            print(f"FAIL {label} K={bits} {n}x{k} M={m}: rel {rel:.3e}")
     torch.cuda.synchronize()
     print(f"sanitizer cases: {cases} run, {failures} failed")
     return 1 if failures else 0

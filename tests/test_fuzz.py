@@ -37,14 +37,18 @@ summary: collections.Counter = collections.Counter()
 
 
 def check_case(out: int, inp: int, m: int, dtype: torch.dtype, bits: int, path: str | None,
-               seed: int) -> str:
-    """Run one case; return its outcome ('pass:<path>' or 'refused:<Exception>'), or fail."""
+               seed: int, norm: bool = False) -> str:
+    """Run one case; return its outcome ('pass:<path>' or 'refused:<Exception>'), or fail.
+    ``norm``: with an RMSNorm (weight of x's dtype) applied to x first (escha.RowNorm)."""
     qw = random_qweight(out, inp, bits, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, inp, generator=g, dtype=torch.float64)
     x = x.to(dtype) if dtype.is_floating_point else (x * 10).to(dtype)
+    row_norm = None
+    if norm and dtype.is_floating_point:
+        row_norm = escha.RowNorm((torch.rand(inp, generator=g, dtype=torch.float64) + 0.5).to(dtype), 1e-6)
     try:
-        y = escha.matmul(x, qw, path=path)
+        y = escha.matmul(x, qw, path=path, norm=row_norm)
     except (TypeError, ValueError) as e:
         msg = str(e)
         assert len(msg) > 15, f"unclear refusal: {msg!r}"
@@ -53,6 +57,8 @@ def check_case(out: int, inp: int, m: int, dtype: torch.dtype, bits: int, path: 
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), f"{dtype} accepted"
     assert y.shape == (m, out) and y.dtype == dtype
     ran = resolve_path(m, qw, path)
+    if row_norm is not None:
+        x = row_norm.apply(x)  # the rows the product multiplies
     ref = x.double() @ escha.dequantize(qw).double().T
     err = float((y.double() - ref).norm())
     rel = err / float(ref.norm())
@@ -75,21 +81,21 @@ def magnitude(x: torch.Tensor, qw) -> torch.Tensor:
 CASE = dict(out=DIM, inp=DIM, m=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
             bits=st.sampled_from([2, 3]), path=st.sampled_from([None, "reference", "prefill", "dequant-fp8",
                                                                 "dequant-bf16"]),
-            seed=st.integers(0, 2**20))
+            seed=st.integers(0, 2**20), norm=st.booleans())
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**CASE)
-def test_fuzz_matmul(out, inp, m, dtype, bits, path, seed):
+def test_fuzz_matmul(out, inp, m, dtype, bits, path, seed, norm):
     # CI keeps the interpreter's cost down: small M for the kernel paths.
-    check_case(out, inp, min(m, 24), dtype, bits, path, seed)
+    check_case(out, inp, min(m, 24), dtype, bits, path, seed, norm)
 
 
 @pytest.mark.slow
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**CASE)
-def test_fuzz_matmul_long(out, inp, m, dtype, bits, path, seed):
-    summary[check_case(out, inp, m, dtype, bits, path, seed)] += 1
+def test_fuzz_matmul_long(out, inp, m, dtype, bits, path, seed, norm):
+    summary[check_case(out, inp, m, dtype, bits, path, seed, norm)] += 1
     summary["cases"] += 1
     target = os.environ.get("ESCHA_FUZZ_SUMMARY")
     if target:
