@@ -19,9 +19,10 @@ FP8_PATHS = ("prefill", "dequant-fp8")
 FP8_TOLERANCE = 8e-2
 
 BITS = 2
-# Integer ops per decoded weight, for the codec-floor column: the 3INST value (mad, and, xor, two
-# fp16 extractions, add) plus the 64-bit window extraction. The same on every path.
-INT_OPS_PER_WEIGHT = 11.0
+# Integer ops per decoded weight, for the codec-floor column: the fewest any escha kernel issues,
+# the register-operand decode loop's at K=2 (4.78: IMAD, LOP3, PRMT, HADD2, SHF per 128 weights,
+# benchmarks/results/decode_wgmma_census.json, sm_90a SASS). The same floor for every path.
+INT_OPS_PER_WEIGHT = 4.78
 # The activations the target models run in, as the cuBLAS arms get them. With fp16 the
 # dequant-fp8 path pays a cast of its whole bf16 output (torch._scaled_mm's row-wise kernels
 # return bf16 only), up to 35% of its time at M = 8192 (docs/KERNELS.md, Prefill).
