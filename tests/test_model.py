@@ -196,6 +196,16 @@ def test_allocate_bits_is_greedy_by_gain_per_bit():
     assert set(allocate_bits(stats, 2.0).values()) == {2}
 
 
+def test_allocate_bits_gives_a_shared_input_one_k():
+    """q and k quantized together are one unit: upgraded together (gains and sizes summed), or not."""
+    q, k, o = _stat("q", 100, 10.0, 1.0), _stat("k", 100, 2.0, 1.9), _stat("o", 150, 8.0, 2.0)
+    q.shared_input = k.shared_input = "q"
+    # Unit [q, k]: gain (9 + 0.1) / 200 = 0.0455 per bit; o: 6 / 150 = 0.04. Budget 200 extra bits.
+    assert allocate_bits([q, k, o], (2 * 350 + 200) / 350) == {"q": 3, "k": 3, "o": 2}
+    # Budget for o alone (150 bits) but not for the pair: o is upgraded, the pair stays together.
+    assert allocate_bits([q, k, o], (2 * 350 + 150) / 350) == {"q": 2, "k": 2, "o": 3}
+
+
 def test_hessian_reaches_the_encoder(tiny, monkeypatch):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
     seen = {}
