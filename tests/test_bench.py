@@ -300,6 +300,10 @@ def test_arm_names():
     assert make_arm("escha").name == "escha"
     assert make_arm("escha-split_k").name == "escha-split_k"
     assert make_arm("escha-*").path == "*"
+    # The wildcard stands for every kernel path at a point, never the (untimed) reference.
+    paths = [a.name for a in make_arm("escha-*").expand(128, 256, 64, "cpu")]
+    assert "escha-decode" in paths and "escha-prefill" in paths and "escha-reference" not in paths
+    assert "escha-decode" not in [a.name for a in make_arm("escha-*").expand(128, 256, 65, "cpu")]
     assert parse_arms("escha,torch-bf16,escha") == ["escha", "torch-bf16"]
     for bad in ("cublas", "escha-", "escha-a b"):
         with pytest.raises(ValueError):

@@ -61,7 +61,8 @@ class EschaArm(Arm):
             return [self]
         key = (N, K, M)
         if key not in self._paths_cache:
-            self._paths_cache[key] = _path_names(_random_qweight(N, K, device), M)
+            # Every kernel path; the reference (fp32 PyTorch through the transforms) is not one.
+            self._paths_cache[key] = [p for p in _path_names(_random_qweight(N, K, device), M) if p != "reference"]
         return [EschaArm(p) for p in self._paths_cache[key]]
 
     def prepare(self, N: int, K: int, M: int, device: torch.device | str) -> Any:
