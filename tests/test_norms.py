@@ -167,3 +167,39 @@ def test_norm_in_the_input_transform_on_the_gpu(path, m):
     assert y.dtype == torch.bfloat16
     rel = float((y.double() - ref).norm() / ref.norm())
     assert rel < 2.0**-8 + 2.0**-10, rel  # bf16 output, fp16 operands (KERNELS.md tolerance table)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_and_folded_model_on_the_gpu():
+    """A bf16 Qwen3 of two layers with random Escha weights (benchmarks/bench_e2e.py's build): q/k/v
+    and gate/up as one product each with their RMSNorms folded in, against the same weights run one
+    Linear at a time with the model's norms; one decode step replayed from a CUDA graph equals eager."""
+    import importlib.util
+    import pathlib
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e", path)
+    e2e = importlib.util.module_from_spec(spec)
+    sys.modules["bench_e2e"] = e2e
+    spec.loader.exec_module(e2e)
+    shape = dict(e2e.TINY, hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=128)
+    config = e2e.make_config(shape)
+    cuda = torch.device("cuda")
+    grouped, alone = (e2e.build(config, arm, cuda, 2) for arm in ("escha", "escha-unshared"))
+    layer = grouped.model.layers[0]
+    assert isinstance(layer.input_layernorm, FoldedNorm) and layer.self_attn.k_proj._shared is not None
+    ids = torch.randint(0, shape["vocab_size"], (1, 9), device=cuda)
+    with torch.no_grad():
+        a, b = grouped(ids).logits.float(), alone(ids).logits.float()
+        assert float((a - b).norm() / b.norm()) < 2e-2  # bf16 activations through two layers
+        step = ids[:, :1]
+        eager = grouped(step).logits
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            graphed = grouped(step).logits
+        graphed.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graphed, eager)
