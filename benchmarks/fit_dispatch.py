@@ -11,7 +11,8 @@ the fit takes the candidate path whose worst loss over the shapes is smallest (l
 the fastest candidate's at that shape and M, minus one), then merges neighbouring M with the same
 path into ranges. The report gives, at every point: the fitted path and its loss, the rule in
 force (``escha``) and its loss, and both against bf16 and fp8 cuBLAS (issue targets: at most
-1.00x bf16 at every M, at most 1.15x fp8 at M >= 2048 and 1.30x at M = 512).
+1.00x bf16 at every M, at most 1.15x fp8 at M >= 2048 and 1.30x at M = 512), and the ranges as
+``DispatchRule`` thresholds when they take the order it expresses (``as_dispatch_rule``).
 
 Candidates are the fp8-precision paths (``decode``, ``decode-wgmma``, ``prefill``, ``dequant-fp8``);
 ``dequant-bf16`` is what ``precision="bf16"`` selects, and ``reference`` is not a kernel.
@@ -93,6 +94,27 @@ def path_at(ranges: list[tuple[int, int, str]], m: int) -> str:
     raise KeyError(m)
 
 
+DECODE_PATHS = ("decode", "decode-wgmma")
+
+
+def as_dispatch_rule(ranges: list[tuple[int, int, str]]) -> dict | None:
+    """The ``escha.ops.DispatchRule`` thresholds the ranges amount to, when they take the order
+    the rule can express (decode paths, then the fused prefill kernel, then dequant-fp8), else
+    None. A threshold between two measured M is put at the smaller one's next integer."""
+    order = {"decode": 0, "decode-wgmma": 0, "prefill": 1, "dequant-fp8": 2}
+    stages = [order[p] for _, _, p in ranges]
+    if stages != sorted(stages):
+        return None
+    decode_max = max((hi for _, hi, p in ranges if p in DECODE_PATHS), default=0)
+    dequant_min = min((lo for lo, _, p in ranges if p == "dequant-fp8"), default=None)
+    prefill_hi = max((hi for _, hi, p in ranges if p == "prefill"), default=None)
+    if dequant_min is None:  # no dequant range measured: the fused kernel takes every larger M
+        dequant_min = 2**31 - 1
+    elif prefill_hi is not None or decode_max:
+        dequant_min = (prefill_hi if prefill_hi is not None else decode_max) + 1
+    return {"decode_max_m": decode_max, "dequant_min_m": dequant_min}
+
+
 def report(points: list[Point], ranges: list[tuple[int, int, str]],
            candidates: tuple[str, ...] = CANDIDATES) -> dict:
     """Every point's fitted path and losses, and the worst of each column."""
@@ -112,12 +134,19 @@ def report(points: list[Point], ranges: list[tuple[int, int, str]],
     worst = {k: max((r[k] for r in rows if k in r), default=None)
              for k in ("fitted_loss", "rule_loss", "vs_bf16")}
     return {"ranges": [{"m_from": lo, "m_to": hi, "path": path} for lo, hi, path in ranges],
-            "worst": worst, "points": rows}
+            "dispatch_rule": as_dispatch_rule(ranges), "worst": worst, "points": rows}
 
 
 def markdown(fitted: dict) -> str:
     out = ["## Fitted rule (M only)", ""]
     out += [f"- M {r['m_from']}..{r['m_to']} (measured points): `{r['path']}`" for r in fitted["ranges"]]
+    rule = fitted["dispatch_rule"]
+    if rule is None:
+        out += ["", "The ranges do not take the order DispatchRule can express (decode, prefill, dequant-fp8)."]
+    else:
+        out += ["", f"As `escha.ops.DispatchRule`: `DispatchRule(decode_max_m={rule['decode_max_m']}, "
+                    f"dequant_min_m={rule['dequant_min_m']})` (inside the decode range, decode against "
+                    f"decode-wgmma is `decode_wgmma.preferred_over_portable`)."]
     w = fitted["worst"]
     fmt = lambda v: "–" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     out += ["", f"Worst loss against the fastest path: fitted {fmt(w['fitted_loss'])}, "
