@@ -15,6 +15,7 @@ import torch
 import escha
 from escha.format import decode_trellis, random_qweight
 from escha.kernels import dequantize_core
+from escha.norm import HeadNorm
 from escha.ops import available_paths
 
 # (out, in): ragged against the 16-wide tiles, the 128-wide Hadamard blocks and the kernels' blocks.
@@ -51,11 +52,18 @@ def main() -> int:
                 ref = x.float() @ dense.T
                 norm = escha.RowNorm((torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16), 1e-6)
                 ref_norm = norm.apply(x).float() @ dense.T
+                # Per-head norms of the whole 128-row blocks (Qwen3's q_norm), in the output transform.
+                nb = -(-n // 128)
+                flags = (torch.arange(nb, device="cuda") < n // 128).to(torch.int8)
+                head = HeadNorm((torch.rand(nb * 128, device="cuda") + 0.5).to(torch.bfloat16), flags, 1e-6)
                 for path in available_paths(qw, m):
                     # Each path alone, then with an RMSNorm applied first (in the input transform
                     # of the decode kernels).
-                    for label, y, want in ((str(path), escha.matmul(x, qw, path=path), ref),
-                                           (f"{path}+norm", escha.matmul(x, qw, path=path, norm=norm), ref_norm)):
+                    plain = escha.matmul(x, qw, path=path)
+                    for label, y, want in ((str(path), plain, ref),
+                                           (f"{path}+norm", escha.matmul(x, qw, path=path, norm=norm), ref_norm),
+                                           (f"{path}+heads", escha.matmul(x, qw, path=path, head_norm=head),
+                                            head.apply(plain).float())):
                         rel = float((y.float() - want).norm() / want.norm().clamp_min(1e-30))
                         ok = bool(torch.isfinite(y).all()) and rel <= TOL[str(path)]
                         cases += 1

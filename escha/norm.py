@@ -37,3 +37,33 @@ class RowNorm:
         on x's device (then the result keeps x's dtype, as ``apply`` gives it)."""
         return (self.weight.dtype == x.dtype and self.weight.device == x.device
                 and self.weight.shape[0] == x.shape[-1] and self.weight.is_contiguous())
+
+
+HEAD = 128  # the head width a HeadNorm normalises: one Hadamard block
+
+
+@dataclass(frozen=True)
+class HeadNorm:
+    """The RMSNorm over each attention head of a projection's output (Qwen3's q_norm, k_norm), for
+    outputs whose heads are 128-row blocks: block b of the padded output is normalised when
+    ``blocks[b]`` is nonzero, with the weights ``weight[128 b : 128 (b + 1)]``.
+
+    y_head = weight * dtype(h * rsqrt(mean(h**2) + eps)), h = float(dtype(y_head)): the model's
+    norm of the projection's output as the projection returns it.
+    """
+
+    weight: torch.Tensor  # [Np]: each normalised block's norm weight (any values elsewhere)
+    blocks: torch.Tensor  # int8 [Np / 128]: 1 where the block is a normalised head
+    eps: float
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        """The norm applied to y [..., out] in PyTorch (y's dtype), as the model computes it; every
+        block is computed and the flags select, so nothing here waits for the host."""
+        out, np_ = y.shape[-1], self.weight.shape[0]
+        y2 = torch.nn.functional.pad(y.reshape(-1, out), (0, np_ - out)).view(-1, np_ // HEAD, HEAD)
+        h = y2.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.weight.view(-1, HEAD) * h.to(y.dtype)
+        y2 = torch.where(self.blocks.view(-1, 1).to(torch.bool), normed.to(y.dtype), y2)
+        return y2.reshape(-1, np_)[:, :out].reshape(y.shape)
+

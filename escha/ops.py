@@ -43,7 +43,7 @@ import torch
 
 from .format.codec import matmul_reference
 from .format.qweight import TENSOR_NAMES, QuantizedWeight
-from .norm import RowNorm
+from .norm import HeadNorm, RowNorm
 
 
 class KernelPath(str, enum.Enum):
@@ -195,10 +195,13 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
 # The custom op's schema: x, the weight's stored tensors in declaration order, then ints.
 _INT_ARGS = ("out_features", "in_features", "bits", "codebook_id", "path", "precision",
              "decode_max_m", "dequant_min_m")
-# Then, optionally, the weight and eps of a RowNorm applied to x first.
+# Then, optionally, the weight and eps of a RowNorm applied to x first, and the row weights,
+# block flags and eps of a HeadNorm applied to y's heads.
 _SCHEMA = ("(Tensor x, " + ", ".join(f"Tensor {n}" for n in TENSOR_NAMES) + ", "
-           + ", ".join(f"int {n}" for n in _INT_ARGS) + ", Tensor? norm_weight=None, float norm_eps=0.0) -> Tensor")
+           + ", ".join(f"int {n}" for n in _INT_ARGS) + ", Tensor? norm_weight=None, float norm_eps=0.0, "
+           "Tensor? head_weight=None, Tensor? head_blocks=None, float head_eps=0.0) -> Tensor")
 _N_FIXED = len(TENSOR_NAMES) + len(_INT_ARGS)
+_OPTIONAL = (None, 0.0, None, None, 0.0)  # the defaults of the arguments after the fixed ones
 
 
 def _out_dtype(x: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.dtype:
@@ -209,7 +212,8 @@ def _out_dtype(x: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.dtype
 def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     """escha::matmul. path = -1 picks by rule at run time (so one compiled graph serves every M)."""
     tensors, ints = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):_N_FIXED]
-    norm_weight, norm_eps = (tuple(args[_N_FIXED:]) + (None, 0.0))[:2]
+    rest = tuple(args[_N_FIXED:])
+    norm_weight, norm_eps, head_weight, head_blocks, head_eps = rest + _OPTIONAL[len(rest):]
     out_features, in_features, bits, codebook_id, path, precision, decode_max_m, dequant_min_m = ints
     x2d = x.reshape(-1, in_features)
     m = x2d.shape[0]
@@ -219,17 +223,25 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
     chosen = resolve_path(m, qw, None if path == _AUTO else _PATHS[path], _PRECISIONS[precision], rule)
     op = dispatch_table()[chosen]
-    if norm_weight is None:
-        y = op.run(x2d, qw)
-    else:
+    kwargs = {}
+    if norm_weight is not None:
         norm = RowNorm(norm_weight, norm_eps)
-        y = op.run(x2d, qw, norm=norm) if op.fuses_norm and norm.fusable(x2d) else op.run(norm.apply(x2d), qw)
+        if op.fuses_norm and norm.fusable(x2d):
+            kwargs["norm"] = norm
+        else:
+            x2d = norm.apply(x2d)
+    head = None if head_weight is None else HeadNorm(head_weight, head_blocks, head_eps)
+    if head is not None and op.fuses_norm and head.weight.dtype == x2d.dtype:
+        kwargs["head_norm"], head = head, None
+    y = op.run(x2d, qw, **kwargs)
+    if head is not None:
+        y = head.apply(y)
     return y.reshape(*x.shape[:-1], out_features)
 
 
 def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:
     out_features = args[len(TENSOR_NAMES)]
-    norm_weight = (tuple(args[_N_FIXED:]) + (None,))[0]
+    norm_weight = (tuple(args[_N_FIXED:]) + _OPTIONAL)[0]
     return x.new_empty((*x.shape[:-1], out_features), dtype=_out_dtype(x, norm_weight))
 
 
@@ -239,7 +251,8 @@ _matmul_op.register_fake(_matmul_fake)
 
 def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None = None, *,
            precision: Precision | str = Precision.FP8,
-           rule: DispatchRule | None = None, norm: RowNorm | None = None) -> torch.Tensor:
+           rule: DispatchRule | None = None, norm: RowNorm | None = None,
+           head_norm: HeadNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T, returned in x's dtype (with ``norm``: norm(x) @ W_hat^T,
     in norm(x)'s dtype).
 
@@ -252,6 +265,9 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
         rule: the dispatch thresholds; None means DEFAULT_RULE.
         norm: an ``escha.RowNorm`` (the RMSNorm before the layer) to apply to x first: the decode
             kernels do it in their input transform, the other paths before it (``RowNorm.apply``).
+        head_norm: an ``escha.norm.HeadNorm`` (the per-head RMSNorm after the layer, e.g. Qwen3's
+            q_norm) to apply to y's flagged 128-row heads: the decode kernels do it in their output
+            transform, the other paths after it (``HeadNorm.apply``).
 
     NaN or Inf in a row of x turn that row of y non-finite, as they would through torch.matmul.
     """
@@ -266,9 +282,18 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
         raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
     if precision not in _PRECISION_CODE:
         raise ValueError(f"unknown precision {precision!r}; choose one of {[p.value for p in _PRECISIONS]}")
+    if head_norm is not None and not isinstance(head_norm, HeadNorm):
+        raise TypeError(f"head_norm must be an escha.norm.HeadNorm, got {type(head_norm).__name__}")
+    np_ = qw.padded_shape[0]
+    if head_norm is not None and (head_norm.weight.shape != (np_,) or head_norm.blocks.shape != (np_ // 128,)):
+        raise ValueError(f"the head norm must have [{np_}] row weights and [{np_ // 128}] block flags, got "
+                         f"{list(head_norm.weight.shape)} and {list(head_norm.blocks.shape)}")
     code = _AUTO if path is None else _PATH_CODE[path]
     ints = (qw.out_features, qw.in_features, qw.bits, qw.codebook_id, code, _PRECISION_CODE[precision],
             r.decode_max_m, r.dequant_min_m)
-    if norm is None:
-        return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints)
-    return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints, norm.weight, float(norm.eps))
+    rest: tuple = ()
+    if norm is not None or head_norm is not None:
+        rest = (None, 0.0) if norm is None else (norm.weight, float(norm.eps))
+    if head_norm is not None:
+        rest += (head_norm.weight, head_norm.blocks, float(head_norm.eps))
+    return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints, *rest)

@@ -253,10 +253,11 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.
         if isinstance(mod, EschaLinear):
             new = cls.from_full(mod.qweight, mod.bias, tp, p.parts)
             new.path, new.precision = mod.path, mod.precision
-            if mod._input_norm is not None:  # a folded RMSNorm (fold_norms) reads whole rows:
-                if p.dim != 0:  # only a layer that keeps its whole input can apply it
+            if mod._input_norm is not None or mod._output_norm is not None:  # folded norms (fold_norms)
+                if p.dim != 0:  # read whole input rows or whole heads: only a row split keeps them
                     raise ModelError(f"{name} applies a folded RMSNorm but is split along its input")
                 object.__setattr__(new, "_input_norm", mod._input_norm)
+                object.__setattr__(new, "_output_norm", mod._output_norm)
         else:
             new = cls.from_full(mod, tp, p.parts)
         replace_linear(model, name, new)

@@ -7,6 +7,7 @@ import escha
 from escha import RowNorm
 from escha.format import dequantize, random_qweight
 from escha.nn import EschaLinear, FoldedNorm, fold_norms, set_matmul_path
+from escha.norm import HeadNorm
 from escha.quant import quantize_shared
 
 transformers = pytest.importorskip("transformers")
@@ -70,6 +71,83 @@ def test_bad_norms_are_refused():
         RowNorm(torch.ones(IN), -1.0)
     with pytest.raises(TypeError, match="1-D"):
         RowNorm(torch.ones(2, IN), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_applies_head_norms_in_its_output_transform(dtype):
+    """Per-head RMSNorms of flagged 128-row blocks (Qwen3's q_norm, k_norm): the decode kernel's
+    output transform against the same norm applied to its output, and the reference path exactly."""
+    qw = random_qweight(384, IN, 2, seed=5)  # blocks: a head, a head, not normalised
+    g = torch.Generator().manual_seed(6)
+    weight = torch.cat([torch.rand(256, generator=g) + 0.5, torch.zeros(128)]).to(dtype)
+    head = HeadNorm(weight, torch.tensor([1, 1, 0], dtype=torch.int8), 1e-6)
+    x = (torch.randn(5, IN, generator=g) * 3).to(dtype)
+    plain = escha.matmul(x, qw, path="decode")
+    y = escha.matmul(x, qw, path="decode", head_norm=head)
+    assert y.dtype == dtype and torch.equal(y[:, 256:], plain[:, 256:])  # the plain block untouched
+    want = head.apply(plain)
+    assert float((y.double() - want.double()).norm() / want.double().norm()) < 2.0**-10
+    h = plain[:, :128].float()  # by hand: one head, as transformers' Qwen3RMSNorm computes it
+    by_hand = weight[:128] * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(want[:, :128], by_hand)
+    ref = escha.matmul(x, qw, path="reference")
+    assert torch.equal(escha.matmul(x, qw, path="reference", head_norm=head), head.apply(ref))
+
+
+def test_bad_head_norms_are_refused():
+    qw = random_qweight(256, IN, 2)
+    with pytest.raises(TypeError, match="HeadNorm"):
+        escha.matmul(torch.randn(2, IN), qw, head_norm=torch.ones(256))
+    with pytest.raises(ValueError, match=r"\[256\] row weights and \[2\] block flags"):
+        escha.matmul(torch.randn(2, IN), qw, head_norm=HeadNorm(torch.ones(128), torch.ones(1, dtype=torch.int8), 0.0))
+
+
+def _unfold(model):
+    """The model's own norms back in place of the folded ones, and the projections plain again."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, FoldedNorm):
+                norm = Qwen3RMSNorm(child.weight.shape[0], eps=child.variance_epsilon)
+                norm.weight = child.weight
+                setattr(module, name, norm)
+        if isinstance(module, EschaLinear):
+            object.__setattr__(module, "_input_norm", None)
+            object.__setattr__(module, "_output_norm", None)
+    return model
+
+
+def test_qwen3_folds_its_head_norms(tmp_path):
+    """A Qwen3 with 128-wide heads: q_norm and k_norm go into the q/k/v product's output transform,
+    the layer norms into its input transform; logits bit for bit the unfolded model's on the
+    reference path, and the same greedy tokens through the kernels."""
+    from escha.model import QuantizeOptions, load_model, quantize_model
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=128, vocab_size=256, max_position_embeddings=128)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "Qwen3RMSNorm":
+                m.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "src")
+    quantize_model(str(tmp_path / "src"), str(tmp_path / "q"),
+                   QuantizeOptions(bits=2, encoder="greedy", use_hessian=False, seq_len=32, progress=False))
+    folded = load_model(str(tmp_path / "q"))
+    attn = folded.model.layers[0].self_attn
+    assert isinstance(attn.q_norm, FoldedNorm) and isinstance(attn.k_norm, FoldedNorm)
+    assert attn.q_proj.head_norm is not None and attn.v_proj.head_norm is None
+    assert "model.layers.0.self_attn.q_norm.weight" in folded.state_dict()
+    plain = _unfold(load_model(str(tmp_path / "q")))
+    ids = torch.tensor([[3, 17, 99, 42, 7, 128]])
+    with torch.no_grad():
+        set_matmul_path(folded, "reference")
+        set_matmul_path(plain, "reference")
+        assert torch.equal(folded(ids).logits, plain(ids).logits)
+        set_matmul_path(folded, None)
+        set_matmul_path(plain, None)
+        assert torch.equal(folded.generate(ids, max_new_tokens=4, do_sample=False),
+                           plain.generate(ids, max_new_tokens=4, do_sample=False))
 
 
 def _llama(tmp_path, skip=("lm_head",)):
@@ -203,3 +281,25 @@ def test_grouped_and_folded_model_on_the_gpu():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(graphed, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["decode", "decode-wgmma"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_head_norms_in_the_output_transform_on_the_gpu(path, m):
+    """Qwen3-14B's stacked q/k/v rows (40 + 8 normalised heads, 8 plain) in bf16 with the heads'
+    RMSNorm in the output transform, against the same norm applied to the plain product."""
+    if path == "decode-wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("decode-wgmma runs on Hopper")
+    qw = random_qweight(7168, 5120, 2, seed=m, device="cuda")
+    weight = torch.cat([(torch.rand(6144, device="cuda") + 0.5), torch.zeros(1024, device="cuda")]).to(torch.bfloat16)
+    flags = torch.cat([torch.ones(48), torch.zeros(8)]).to(torch.int8).cuda()
+    head = HeadNorm(weight, flags, 1e-6)
+    x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
+    y = escha.matmul(x, qw, path=path, head_norm=head)
+    plain = escha.matmul(x, qw, path=path)
+    assert torch.equal(y[:, 6144:], plain[:, 6144:])
+    want = head.apply(plain)
+    rel = float((y.double() - want.double()).norm() / want.double().norm())
+    assert rel < 2.0**-7, rel  # at most an ulp of bf16 where an fp32 sum order moves rsqrt

@@ -26,12 +26,13 @@ from escha.nn import set_matmul_path  # noqa: E402
 PROMPT = [[3, 17, 99, 42, 7, 128]]
 
 
-def exact_matmul(x, qw, norm=None, **_):
-    """norm(x) @ W_hat^T with the exact dequantized weight, in x's dtype (float64 here); ``norm``
-    is the RMSNorm a projection applies when its layer's norm is folded into it."""
+def exact_matmul(x, qw, norm=None, head_norm=None, **_):
+    """norm(x) @ W_hat^T with the exact dequantized weight, in x's dtype (float64 here), then
+    head_norm; the norms a projection applies when its layer's RMSNorms are folded into it."""
     if norm is not None:
         x = norm.apply(x)
-    return x @ escha.dequantize(qw).to(x.dtype).T
+    y = x @ escha.dequantize(qw).to(x.dtype).T
+    return y if head_norm is None else head_norm.apply(y)
 
 
 def greedy(model, n: int, **kwargs) -> torch.Tensor:

@@ -45,7 +45,7 @@ def kernel_names() -> set[str]:
 def _launches() -> Iterator[str]:
     """Call every op in the variants a GPU run uses; yields a label before each."""
     from ..format import codebooks, random_qweight
-    from ..norm import RowNorm
+    from ..norm import HeadNorm, RowNorm
     from ..quant.encode import Backend, EncodeOptions, encode_tiles
     from .codec import CodecPath
     from .decode import decode, decode_config
@@ -69,10 +69,11 @@ def _launches() -> Iterator[str]:
         for m in (1, 8, 64, 128, 256):
             yield f"decode_wgmma K={bits} M={m}"
             decode_wgmma_launch(x(m), qw, decode_wgmma_config(qw, m, cuda), None)
-        yield f"decode and decode_wgmma K={bits} M=1, RMSNorm in the input transform"
+        yield f"decode and decode_wgmma K={bits} M=1, RMSNorms in the input and output transforms"
         norm = RowNorm(torch.ones(1024, dtype=torch.bfloat16), 1e-6)
-        decode(x(1), qw, config=dataclasses.replace(decode_config(qw, 1, cuda), **ptx), norm=norm)
-        decode_wgmma_launch(x(1), qw, decode_wgmma_config(qw, 1, cuda), None, norm)
+        head = HeadNorm(torch.ones(256, dtype=torch.bfloat16), torch.ones(2, dtype=torch.int8), 1e-6)
+        decode(x(1), qw, config=dataclasses.replace(decode_config(qw, 1, cuda), **ptx), norm=norm, head_norm=head)
+        decode_wgmma_launch(x(1), qw, decode_wgmma_config(qw, 1, cuda), None, norm, head)
         yield f"decode_wgmma fragments K={bits}"
         decoded_fragments(qw)
         for m in (64, 256):

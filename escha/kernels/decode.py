@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
-from ..norm import RowNorm
+from ..norm import HeadNorm, RowNorm
 from .codec import CodecPath, codec_path, decode_block
 from .common import (INV_SQRT_HAD, check_codebook, check_operands, hadamard_pm1, output_tensor, round_to,
                      row_scale_block)
@@ -113,19 +113,22 @@ def decode_config(qw: QuantizedWeight, m: int, device: torch.device | None = Non
 
 
 def decode(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeConfig | None = None,
-           out: torch.Tensor | None = None, norm: RowNorm | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, norm: RowNorm | None = None,
+           head_norm: HeadNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T for 1..64 tokens (leading dims flattened), in x's dtype.
 
     x may be fp16, bf16 or fp32, any strides, on qw's device. ``config`` overrides decode_config.
     ``out``, if given, is a preallocated [M, out_features] tensor of x's dtype with unit column
     stride (M = tokens after flattening); it is filled and returned reshaped like x. ``norm``
-    (weight of x's dtype) is applied to x first, in the input transform: norm(x) @ W_hat^T.
+    (weight of x's dtype) is applied to x first, in the input transform: norm(x) @ W_hat^T;
+    ``head_norm`` to the output's heads, in the output transform.
     """
-    return _launch(x, qw, config, out, norm=norm)[0]
+    return _launch(x, qw, config, out, norm=norm, head_norm=head_norm)[0]
 
 
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None, out: torch.Tensor | None,
-           ablation: int = 0, norm: RowNorm | None = None) -> tuple[torch.Tensor, object]:
+           ablation: int = 0, norm: RowNorm | None = None,
+           head_norm: HeadNorm | None = None) -> tuple[torch.Tensor, object]:
     """Check, allocate and launch ``decode``; returns (y, the compiled GEMM kernel).
 
     ``ablation`` selects a measurement-only variant (escha.kernels._bench); 0 is the real kernel.
@@ -144,7 +147,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None, o
         raise ValueError(f"block_kt={cfg.block_kt} must divide the {kp // TILE} k-tiles")
     nkb = kp // TILE // cfg.block_kt
     split = max(1, min(cfg.split, nkb))
-    fuse = cfg.fuse_output and split == 1 and cfg.block_n == HAD_BLOCK
+    fuse = cfg.fuse_output and split == 1 and cfg.block_n == HAD_BLOCK and head_norm is None
     xq, inv = hadamard_input(x2d, qw, norm=norm)
     y = output_tensor(x, m, qw.out_features, out)
     ws = y if fuse else torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
@@ -156,7 +159,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None, o
                                   USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=ablation,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fuse:
-        hadamard_output(ws, qw, inv, y)
+        hadamard_output(ws, qw, inv, y, head_norm=head_norm)
     return y.reshape(*x.shape[:-1], qw.out_features), kernel
 
 

@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
-from ..norm import RowNorm
+from ..norm import HeadNorm, RowNorm
 from .common import check_codebook, check_operands, dependent_launch_supported, interpreted, output_tensor
 from .transforms import hadamard_input, hadamard_output
 from .triton_compat import tma_async_load
@@ -418,24 +418,26 @@ def preferred_over_portable(qw: QuantizedWeight, m: int, device: torch.device | 
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
-                 out: torch.Tensor | None = None, norm: RowNorm | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, norm: RowNorm | None = None,
+                 head_norm: HeadNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU (any number of tokens), in x's dtype.
 
     x may be fp16, bf16 or fp32, any strides. The weight's words are repacked on the first call
     (``packed_words``). ``out``, if given, is a preallocated [M, out_features] tensor of x's
     dtype with unit column stride. ``norm`` (weight of x's dtype) is applied to x first, in the
-    input transform: norm(x) @ W_hat^T.
+    input transform: norm(x) @ W_hat^T; ``head_norm`` to the output's heads, in the output transform.
     """
     check_operands(x, qw, "decode_wgmma")
     check_codebook(qw, "decode_wgmma")
     if not runs_on(x.device, qw.bits):
         raise ValueError(f"decode_wgmma runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
                          f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
-    return _launch(x, qw, config, out, norm)
+    return _launch(x, qw, config, out, norm, head_norm)
 
 
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None,
-            out: torch.Tensor | None, norm: RowNorm | None = None) -> torch.Tensor:
+            out: torch.Tensor | None, norm: RowNorm | None = None,
+            head_norm: HeadNorm | None = None) -> torch.Tensor:
     """Allocate and launch (operands already checked; compile_check calls it off the GPU)."""
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
@@ -455,7 +457,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
     _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
                                STAGES=cfg.stages, FRAGS=cfg.fragments, PDL=pdl, num_warps=4, launch_pdl=pdl)
-    hadamard_output(ws, qw, inv, y, dependent_launch=pdl)
+    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from ..norm import RowNorm
+from ..norm import HeadNorm, RowNorm
 from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, dot_dtype, hadamard_operand, load_hadamard,
                      release_dependents, round_to, row_scale_block, wait_for_producer)
 
@@ -139,13 +139,16 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
 
 
 @triton.jit
-def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, M, N_out, Np, stride_ym,
-                             SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr):
+def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, heps,
+                             M, N_out, Np, stride_ym,
+                             SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr):
     """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
 
     The split partials are summed in the fixed order s = 0, 1, ..., SPLIT-1, so the result is
     bitwise reproducible. With PDL the weight's own data (H, row scales) is read while the GEMM
-    finishes; z and 2**-e only after it.
+    finishes; z and 2**-e only after it. With HEAD_NORM, a block flagged in ``hb`` is one attention
+    head, normalised as the model's per-head RMSNorm does it (escha.norm.HeadNorm): the program
+    holds the whole head of each of its tokens.
     """
     nb = tl.program_id(0)
     mb = tl.program_id(1)
@@ -166,22 +169,36 @@ def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr,
     h = tl.dot(z - z_hi, hm, h, input_precision="tf32") * INV_SQRT_HAD
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
     y = h * rs * inv
+    if HEAD_NORM:
+        OUT: tl.constexpr = y_ptr.dtype.element_ty
+        yr = round_to(y, OUT).to(tl.float32)  # the projection's output, as the model's norm reads it
+        rstd = tl.rsqrt(tl.sum(yr * yr, axis=1) / 128.0 + heps)
+        w = tl.load(hw_ptr + n).to(tl.float32)
+        yn = round_to(w * round_to(yr * rstd[:, None], OUT).to(tl.float32), OUT).to(tl.float32)
+        y = tl.where(tl.load(hb_ptr + nb) != 0, yn, y)
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
 
 
 def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
-                    dependent_launch: bool = False) -> torch.Tensor:
+                    dependent_launch: bool = False, head_norm: HeadNorm | None = None) -> torch.Tensor:
     """Sum split partials z [SPLIT, M, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
 
     ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride.
     ``dependent_launch``: launched as a programmatic dependent of the GEMM that writes z.
+    ``head_norm``: the per-head RMSNorm of the flagged blocks (weight of out's dtype, heads whole
+    inside the output), applied before the store.
     """
     split, m, np_ = z.shape
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
+    if head_norm is not None and (head_norm.weight.shape != (np_,) or head_norm.blocks.shape != (np_ // HAD_BLOCK,)
+                                  or head_norm.weight.dtype != out.dtype):
+        raise ValueError(f"head norm: weight must be {out.dtype} [{np_}] and blocks [{np_ // HAD_BLOCK}]")
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
-    _output_transform_kernel[grid](z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale, inv_scale, m, qw.out_features, np_,
-                                   out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch, num_warps=4,
-                                   launch_pdl=dependent_launch)
+    hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
+    _output_transform_kernel[grid](z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale,
+                                   inv_scale, hw, hb, 0.0 if head_norm is None else head_norm.eps, m,
+                                   qw.out_features, np_, out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch,
+                                   HEAD_NORM=head_norm is not None, num_warps=4, launch_pdl=dependent_launch)
     return out

@@ -6,7 +6,7 @@ from torch import nn
 
 from .. import ops
 from ..format.qweight import TENSOR_NAMES, QuantizedWeight
-from ..norm import RowNorm
+from ..norm import HeadNorm, RowNorm
 
 
 class EschaLinear(nn.Module):
@@ -50,6 +50,10 @@ class EschaLinear(nn.Module):
         # The FoldedNorm whose RMSNorm this layer applies to its input (escha.nn.norms), if any:
         # set without registering it as a submodule, so that it is saved once, where the model has it.
         object.__setattr__(self, "_input_norm", None)
+        # Likewise the FoldedNorm of the per-head RMSNorm applied to this layer's output (Qwen3's
+        # q_norm, k_norm), and the HeadNorm built from it (_head_norm_cache).
+        object.__setattr__(self, "_output_norm", None)
+        self._head_cache: tuple | None = None
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -117,14 +121,25 @@ class EschaLinear(nn.Module):
         """The RMSNorm this layer applies to its input first (``escha.nn.fold_norms``), or None."""
         return None if self._input_norm is None else self._input_norm.row_norm()
 
+    @property
+    def head_norm(self) -> HeadNorm | None:
+        """The per-head RMSNorm this layer applies to its output (``escha.nn.fold_norms``), or None."""
+        if self._output_norm is None:
+            return None
+        built = head_norm_for([self], self._head_cache)
+        if not capturing():  # tensors made inside a graph's capture live in its pool: not kept
+            self._head_cache = built
+        return built[1]
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W_hat^T through escha.matmul, with this layer's path or precision (and input norm);
-        no bias. A layer in a SharedInput takes its rows of the product computed once for the group."""
+        """x @ W_hat^T through escha.matmul, with this layer's path or precision (and input and head
+        norms); no bias. A layer in a SharedInput takes its rows of the product computed once for
+        the group."""
         if self._shared is not None:
             y = self._shared.product(self, x)
             if y is not None:
                 return y
-        return matmul_with(x, self.qweight, self.path, self.precision, self.input_norm)
+        return matmul_with(x, self.qweight, self.path, self.precision, self.input_norm, self.head_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul."""
@@ -166,10 +181,42 @@ class EschaLinear(nn.Module):
                 + ("" if self.precision is None else f", precision={self.precision!r}"))
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def head_norm_for(layers: list, cache: tuple | None) -> tuple:
+    """(key, HeadNorm or None) for the stacked output of ``layers`` (rows of each padded to whole
+    128-blocks but the last): the blocks of a layer with a folded head norm flagged and given its
+    weight, the others not. ``cache`` is returned when the norms' weights are the same tensors,
+    unchanged; a new one is built otherwise (device ops only, so a CUDA graph may capture it)."""
+    norms = [m._output_norm for m in layers]
+    key = tuple((id(n.weight), n.weight._version if not n.weight.is_inference() else None) if n is not None else None
+                for n in norms)
+    if cache is not None and cache[0] == key:
+        return cache
+    if all(n is None for n in norms):
+        return key, None
+    ref = next(n for n in norms if n is not None)
+    weights, flags = [], []
+    for m, n in zip(layers, norms):
+        blocks = -(-m.out_features // 128)
+        if n is None:
+            weights.append(torch.zeros(blocks * 128, dtype=ref.weight.dtype, device=ref.weight.device))
+            flags.append(torch.zeros(blocks, dtype=torch.int8, device=ref.weight.device))
+        else:
+            weights.append(n.weight.to(ref.weight.dtype).repeat(blocks))
+            flags.append(torch.ones(blocks, dtype=torch.int8, device=ref.weight.device))
+    return key, HeadNorm(torch.cat(weights), torch.cat(flags), ref.variance_epsilon)
+
+
 def matmul_with(x: torch.Tensor, qw: QuantizedWeight, path: str | None, precision: str | None,
-                norm: RowNorm | None) -> torch.Tensor:
+                norm: RowNorm | None, head_norm: HeadNorm | None = None) -> torch.Tensor:
     """escha.matmul with a layer's settings: a forced path wins over a precision."""
     kwargs = {} if norm is None else {"norm": norm}
+    if head_norm is not None:
+        kwargs["head_norm"] = head_norm
     if path is not None:
         return ops.matmul(x, qw, path=path, **kwargs)
     return ops.matmul(x, qw, **kwargs) if precision is None else ops.matmul(x, qw, precision=precision, **kwargs)

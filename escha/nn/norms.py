@@ -9,15 +9,19 @@ input transform (``escha.matmul(..., norm=RowNorm)``), which reads every row any
 projections grouped (``share_inputs``) that is one kernel for the norm and the transform of all
 of them instead of the norm's several element-wise kernels before them.
 
+Qwen3's per-head norms of q and k (``q_norm``, ``k_norm``, over 128-wide heads) go into the
+projections' output transform the same way (``HEAD_NORMS``): a head is one 128-row Hadamard
+block, so one program of the output transform holds each token's head whole.
+
 Only layer classes whose forward is known to feed the norm's output to those projections alone
-are folded (``FOLDABLE``); anything else is left as it is.
+are folded (``FOLDABLE``, ``HEAD_NORMS``); anything else is left as it is.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..norm import RowNorm
+from ..norm import HEAD, RowNorm
 from .linear import EschaLinear
 
 # Decoder layers (transformers class names) whose norms feed only these projections:
@@ -27,6 +31,10 @@ _LLAMA_STYLE = {"input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj"))
 FOLDABLE = {name: _LLAMA_STYLE for name in ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
                                              "Qwen3DecoderLayer")}
 _NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# Attention blocks whose per-head norms read only one projection's output:
+# block attribute -> ((norm attribute, projection attribute), ...). A head is folded into the
+# projection's output transform when it is one 128-row Hadamard block (head_dim 128).
+HEAD_NORMS = {"Qwen3DecoderLayer": ("self_attn", (("q_norm", "q_proj"), ("k_norm", "k_proj")))}
 
 
 class FoldedNorm(nn.Module):
@@ -52,7 +60,8 @@ class FoldedNorm(nn.Module):
 
 
 def fold_norms(model: nn.Module) -> int:
-    """Fold each foldable RMSNorm of ``model`` into the EschaLinears that read it; returns how many.
+    """Fold each foldable RMSNorm of ``model`` into the EschaLinears that read it (or, for per-head
+    norms, whose output it reads); returns how many.
 
     A norm is folded when its layer class is in ``FOLDABLE``, it is one of transformers' RMSNorms,
     and every projection reading its output is an EschaLinear (a dense one would get the input
@@ -60,6 +69,7 @@ def fold_norms(model: nn.Module) -> int:
     """
     folded = 0
     for layer in model.modules():
+        folded += _fold_head_norms(layer)
         plan = FOLDABLE.get(type(layer).__name__)
         if plan is None:
             continue
@@ -76,4 +86,24 @@ def fold_norms(model: nn.Module) -> int:
             for m in mods:
                 object.__setattr__(m, "_input_norm", fn)
             folded += 1
+    return folded
+
+
+def _fold_head_norms(layer: nn.Module) -> int:
+    """Fold the per-head norms of ``layer`` (``HEAD_NORMS``) into their projections' output transform."""
+    plan = HEAD_NORMS.get(type(layer).__name__)
+    block = None if plan is None else getattr(layer, plan[0], None)
+    if block is None:
+        return 0
+    folded = 0
+    for norm_name, proj_name in plan[1]:
+        norm, proj = getattr(block, norm_name, None), getattr(block, proj_name, None)
+        if (type(norm).__name__ not in _NORMS or not isinstance(proj, EschaLinear) or proj.bias is not None
+                or tuple(norm.weight.shape) != (HEAD,) or proj.out_features % HEAD or proj._output_norm is not None):
+            continue  # a bias comes before the norm; a head that is not one block is not whole in a program
+        fn = FoldedNorm(norm)
+        setattr(block, norm_name, fn)
+        object.__setattr__(proj, "_output_norm", fn)
+        proj._head_cache = None
+        folded += 1
     return folded

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..format.qweight import TENSOR_NAMES
 from ..format.shard import ShardError, concat_rows, row_offsets, split_rows
-from .linear import EschaLinear, matmul_with
+from .linear import EschaLinear, capturing, head_norm_for, matmul_with
 
 
 class SharedInput:
@@ -42,6 +42,7 @@ class SharedInput:
         self._x_version = -1
         self._y: torch.Tensor | None = None
         self._pending: set[int] = set()
+        self._head_cache: tuple | None = None
         self._build()  # raises ShardError when the weights were not quantized together
         for i, m in enumerate(self.members):
             m._shared, m._shared_index = self, i
@@ -71,22 +72,26 @@ class SharedInput:
         if self.diverged or torch.compiler.is_compiling():
             return None
         settings = {(m.path, m.precision, id(m._input_norm)) for m in self.members}
-        if len(settings) != 1:
-            return None  # members asked for different paths, precisions or input norms
+        eps = {m._output_norm.variance_epsilon for m in self.members if m._output_norm is not None}
+        if len(settings) != 1 or len(eps) > 1:
+            return None  # members asked for different paths, precisions or norms
         i = member._shared_index
         same = self._y is not None and x is self._x and _version(x) == self._x_version
         if self._pending and not same:
             self._stop()  # another input while members still wait for this one: no shared input
             return None
         if not same or i not in self._pending:
-            if self._buffer_key() != self._key and _capturing(x):
+            if self._buffer_key() != self._key and capturing():
                 return None  # restacking copies the weights: never inside a CUDA graph being captured
             try:
                 qw = self.merged()
             except ShardError:
                 self._stop()  # the members' weights were replaced by ones not quantized together
                 return None
-            self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm)
+            built = head_norm_for(self.members, self._head_cache)
+            if not capturing():  # tensors made inside a graph's capture live in its pool: not kept
+                self._head_cache = built
+            self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm, built[1])
             self._x, self._x_version = x, _version(x)
             self._pending = set(range(len(self.members)))
         self._pending.discard(i)
@@ -99,10 +104,6 @@ class SharedInput:
     def _stop(self) -> None:
         self.diverged = True
         self._x, self._y, self._pending = None, None, set()
-
-
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _version(t: torch.Tensor) -> int | None:
