@@ -103,18 +103,32 @@ def test_bad_head_norms_are_refused():
 
 
 def _unfold(model):
-    """The model's own norms back in place of the folded ones, and the projections plain again."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    """RMSNorms back in place of the folded ones (Llama's, Qwen2's and Qwen3's compute the same),
+    and the projections plain again."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, FoldedNorm):
-                norm = Qwen3RMSNorm(child.weight.shape[0], eps=child.variance_epsilon)
+                norm = LlamaRMSNorm(child.weight.shape[0], eps=child.variance_epsilon)
                 norm.weight = child.weight
                 setattr(module, name, norm)
         if isinstance(module, EschaLinear):
             object.__setattr__(module, "_input_norm", None)
             object.__setattr__(module, "_output_norm", None)
     return model
+
+
+def _assert_same_as_unfolded(folded, plain):
+    """Logits bit for bit on the reference path (which normalises exactly as the model does), and
+    the same greedy tokens through the kernels (the interpreter here), which fold the norms."""
+    ids = torch.tensor([[3, 17, 99, 42, 7, 128]])
+    with torch.no_grad():
+        set_matmul_path(folded, "reference")
+        set_matmul_path(plain, "reference")
+        assert torch.equal(folded(ids).logits, plain(ids).logits)
+        set_matmul_path(folded, None)
+        set_matmul_path(plain, None)
+        assert torch.equal(folded.generate(ids, max_new_tokens=4, do_sample=False),
+                           plain.generate(ids, max_new_tokens=4, do_sample=False))
 
 
 def test_qwen3_folds_its_head_norms(tmp_path):
@@ -138,16 +152,7 @@ def test_qwen3_folds_its_head_norms(tmp_path):
     assert isinstance(attn.q_norm, FoldedNorm) and isinstance(attn.k_norm, FoldedNorm)
     assert attn.q_proj.head_norm is not None and attn.v_proj.head_norm is None
     assert "model.layers.0.self_attn.q_norm.weight" in folded.state_dict()
-    plain = _unfold(load_model(str(tmp_path / "q")))
-    ids = torch.tensor([[3, 17, 99, 42, 7, 128]])
-    with torch.no_grad():
-        set_matmul_path(folded, "reference")
-        set_matmul_path(plain, "reference")
-        assert torch.equal(folded(ids).logits, plain(ids).logits)
-        set_matmul_path(folded, None)
-        set_matmul_path(plain, None)
-        assert torch.equal(folded.generate(ids, max_new_tokens=4, do_sample=False),
-                           plain.generate(ids, max_new_tokens=4, do_sample=False))
+    _assert_same_as_unfolded(folded, _unfold(load_model(str(tmp_path / "q"))))
 
 
 def _llama(tmp_path, skip=("lm_head",)):
@@ -176,28 +181,7 @@ def test_loaded_model_folds_its_norms(tmp_path):
     assert isinstance(model.model.norm, LlamaRMSNorm)  # the final norm feeds the (dense) head: kept
     state = model.state_dict()
     assert "model.layers.0.input_layernorm.weight" in state and not any("input_norm" in k for k in state)
-    # The same model without folding: the reference path normalises exactly as the model does.
-    plain = load_model(path)
-    for lyr in plain.model.layers:
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            folded = getattr(lyr, name)
-            norm = LlamaRMSNorm(folded.weight.shape[0], eps=folded.variance_epsilon)
-            norm.weight = folded.weight
-            setattr(lyr, name, norm)
-        for m in lyr.modules():
-            if isinstance(m, EschaLinear):
-                object.__setattr__(m, "_input_norm", None)
-    ids = torch.tensor([[3, 17, 99, 42, 7, 128]])
-    with torch.no_grad():
-        set_matmul_path(model, "reference")
-        set_matmul_path(plain, "reference")
-        assert torch.equal(model(ids).logits, plain(ids).logits)
-        # The kernels (the interpreter here) apply the norm in the input transform: same tokens.
-        set_matmul_path(model, None)
-        set_matmul_path(plain, None)
-        a = model.generate(ids, max_new_tokens=4, do_sample=False)
-        b = plain.generate(ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(a, b)
+    _assert_same_as_unfolded(model, _unfold(load_model(path)))
 
 
 def test_norm_with_a_dense_reader_is_kept(tmp_path):
