@@ -6,8 +6,9 @@
 # PHASE "system":  escha bench (all arms), racecheck on a reduced grid.
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it.
-# PHASE "e2e":     end-to-end decode, Qwen3-14B-shaped: bf16, escha (q/k/v and gate/up as one
-#                  product each) and escha-unshared, with a profiled step per batch.
+# PHASE "e2e":     one layer's input side (bench_shared.py: separate, shared, folded norms, bf16),
+#                  then end-to-end decode, Qwen3-14B-shaped: bf16, escha (q/k/v and gate/up as one
+#                  product each, norms folded) and escha-unshared, with a profiled step per batch.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
@@ -62,6 +63,7 @@ case "$phase" in
       --json "$out/fit_dispatch.json"
     ;;
   e2e)
+    step shared 200 python benchmarks/bench_shared.py --out "$out/shared"
     step e2e 500 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
       --out "$out/e2e_h200.json"
     ;;

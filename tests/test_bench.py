@@ -431,6 +431,20 @@ def test_fit_dispatch_minimax_over_shapes(tmp_path):
     assert fit.main([str(path), str(path)]) == 2
 
 
+# -- benchmarks/bench_shared.py -----------------------------------------------------------------
+def test_shared_benchmark_arms_compute_the_same_layer():
+    """The arms of bench_shared.py (the interpreter's kernels here, bf16 rows): one layer's input
+    side with per-head norms, each within the decode tolerance of fp64; bf16 cuBLAS's arm too."""
+    bench = _script("bench_shared")
+    ws = bench.WeightSet((256, 128, 128), 256, True, seed=1, device="cpu")
+    x = torch.randn(3, 256, dtype=torch.bfloat16) * 3
+    gates = bench.gate(ws, x)
+    assert set(gates) == {"separate", "shared", "folded"} and all(e <= bench.TOL for e in gates.values()), gates
+    ref = ws.exact(x)
+    assert max(float((g.double() - r).norm() / r.norm()) for g, r in zip(ws.bf16(x), ref)) <= bench.TOL
+    assert [y.shape for y in ws.folded(x)] == [(3, 256), (3, 128), (3, 128)]
+
+
 # -- benchmarks/bench_e2e.py --------------------------------------------------------------------
 def _bench_e2e():
     """The end-to-end script, imported from its file (benchmarks/ is not a package)."""
