@@ -287,3 +287,18 @@ def test_head_norms_in_the_output_transform_on_the_gpu(path, m):
     want = head.apply(plain)
     rel = float((y.double() - want.double()).norm() / want.double().norm())
     assert rel < 2.0**-7, rel  # at most an ulp of bf16 where an fp32 sum order moves rsqrt
+
+
+def test_head_norm_follows_its_weight():
+    """The HeadNorm a layer builds from its folded norm is rebuilt when the weight is cast, moved or
+    written in place (the Parameter object stays the same through .to())."""
+    lin = EschaLinear.from_quantized(random_qweight(256, 128, 2))
+    folded = FoldedNorm(LlamaRMSNorm(128))
+    object.__setattr__(lin, "_output_norm", folded)
+    first = lin.head_norm
+    assert first is lin.head_norm and first.weight.shape == (256,) and first.blocks.tolist() == [1, 1]
+    folded.to(torch.float64)
+    assert lin.head_norm.weight.dtype == torch.float64
+    with torch.no_grad():
+        folded.weight.mul_(2)
+    assert torch.equal(lin.head_norm.weight[:128], folded.weight)

@@ -51,7 +51,7 @@ class EschaLinear(nn.Module):
         # set without registering it as a submodule, so that it is saved once, where the model has it.
         object.__setattr__(self, "_input_norm", None)
         # Likewise the FoldedNorm of the per-head RMSNorm applied to this layer's output (Qwen3's
-        # q_norm, k_norm), and the HeadNorm built from it (_head_norm_cache).
+        # q_norm, k_norm), and the HeadNorm built from it (_head_cache).
         object.__setattr__(self, "_output_norm", None)
         self._head_cache: tuple | None = None
 
@@ -192,8 +192,10 @@ def head_norm_for(layers: list, cache: tuple | None) -> tuple:
     weight, the others not. ``cache`` is returned when the norms' weights are the same tensors,
     unchanged; a new one is built otherwise (device ops only, so a CUDA graph may capture it)."""
     norms = [m._output_norm for m in layers]
-    key = tuple((id(n.weight), n.weight._version if not n.weight.is_inference() else None) if n is not None else None
-                for n in norms)
+    # The weight's storage, dtype and write counter: a move or a cast (.to) keeps the Parameter
+    # object but not its data.
+    key = tuple(None if n is None else (id(n.weight), n.weight.data_ptr(), n.weight.dtype,
+                                        None if n.weight.is_inference() else n.weight._version) for n in norms)
     if cache is not None and cache[0] == key:
         return cache
     if all(n is None for n in norms):
