@@ -1,11 +1,20 @@
-"""Measure the best split-K on the GPU for 18 (nblk, ktiles, M) points and fit the split rule.
+"""Measure the best split-K on the GPU and fit the split rule, for either decode kernel.
 
-    python benchmarks/fit_splitk.py --out DIR [--rounds 3]
+    python benchmarks/fit_splitk.py --out DIR [--rounds 3] [--kernel decode|decode-wgmma]
 
-Points: gate_up-like N in {34816, 17408, 8704} x K=5120 and down-like N=5120 x K in {17408, 8704,
-4352}, each at M in {8, 40, 64}; splits 1, 2, 4, 8 with the default decode configuration otherwise.
-Fit: over (min_ktiles, max_programs), the rule of escha.kernels.splitk that gets the most points
-exactly, ties broken by the smallest worst-case loss. Writes splitk_h200.json and prints the table.
+decode (the portable kernel): gate_up-like N in {34816, 17408, 8704} x K=5120 and down-like N=5120
+x K in {17408, 8704, 4352}, each at M in {8, 40, 64} (18 points); splits 1, 2, 4, 8 with the default
+decode configuration otherwise. Fit: over (min_ktiles, max_programs), the rule of
+escha.kernels.splitk that gets the most points exactly, ties broken by the smallest worst-case
+loss. Writes splitk_h200.json.
+
+decode-wgmma (the register-operand kernel): Qwen3-14B's four projection sets at tensor-parallel
+degrees 1, 2 and 4 (12 shapes), each at M in {1, 16, 64} (36 points); splits 1, 2, 3, 4, 6, 8 with
+the rule's configuration otherwise (``decode_wgmma.config_with_split``, which also gives each grid
+the start the rule would). Timing: escha.bench's method. Fit, per token block class (8-16, 32-64,
+128-256 tokens): split = the one nearest to T / (programs of one k-slice), clamped to 1..8 and to
+two k-blocks a slice, with the T of least worst-case loss; compared with the rule in force.
+Writes splitk_wgmma_h200.json.
 """
 from __future__ import annotations
 
@@ -20,7 +29,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, graph_of, interleaved, weight_set  # noqa: E402
 
+from escha.bench.cuda_timing import GraphTimer  # noqa: E402
+from escha.bench.method import Spread, rotation_buffers, round_order  # noqa: E402
+from escha.format import random_qweight  # noqa: E402
 from escha.kernels import SplitKRule, decode, decode_config, decode_split_k  # noqa: E402
+from escha.kernels.decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, config_with_split, decode_wgmma,  # noqa: E402
+                                        decode_wgmma_config)
 
 POINTS = [(34816, 5120), (17408, 5120), (8704, 5120), (5120, 17408), (5120, 8704), (5120, 4352)]
 MS = (8, 40, 64)
@@ -45,11 +59,94 @@ def fit(table: list[dict]) -> dict:
     return {"min_ktiles": t, "max_programs": c, "exact": exact, "points": len(table), "worst_loss": worst}
 
 
+# Qwen3-14B's projections at TP = 1, 2, 4: [q | k | v] and [gate | up] split by rows, o and down by columns.
+WGMMA_POINTS = [shape for t in (1, 2, 4) for shape in
+                ((7168 // t, 5120), (5120, 5120 // t), (34816 // t, 5120), (5120, 17408 // t))]
+WGMMA_MS = (1, 16, 64)
+WGMMA_SPLITS = (1, 2, 3, 4, 6, 8)
+TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
+
+
+def wgmma_split_for(row_programs: int, kblocks: int, target: float) -> int:
+    """The split nearest to ``target`` programs over ``row_programs`` programs of one k-slice,
+    clamped to 1..8 and to at least two k-blocks a slice."""
+    s = max(1, min(8, round(target / row_programs)))
+    return max(1, min(s, kblocks // 2))
+
+
+def fit_wgmma(table: list[dict]) -> dict:
+    """Per token class, the target of least worst-case loss (ties: mean loss) over the measured splits."""
+    out = {}
+    for lo, hi in TOKEN_CLASSES:
+        pts = [p for p in table if lo <= p["block_tokens"] <= hi]
+        if not pts:
+            continue
+        best = None
+        for target in range(33, 132 * 16 + 1, 33):
+            losses = []
+            for p in pts:
+                s = wgmma_split_for(p["row_programs"], p["kblocks"], target)
+                s = min(p["us"], key=lambda k: abs(int(k) - s))  # the nearest measured split
+                losses.append(p["us"][s] / min(p["us"].values()) - 1)
+            key = (max(losses), sum(losses) / len(losses))
+            if best is None or key < best[0]:
+                best = (key, target)
+        (worst, mean), target = best
+        rule = [p["us"][str(p["rule"])] / min(p["us"].values()) - 1 for p in pts]
+        out[f"{lo}-{hi}"] = {"target_programs": target, "worst_loss": worst, "mean_loss": mean,
+                             "rule_in_force_worst_loss": max(rule), "points": len(pts)}
+    return out
+
+
+def sweep_wgmma(args) -> None:
+    info = env_info()
+    cuda = torch.device("cuda")
+    timer = GraphTimer(replays=10)
+    table = []
+    for n, k in WGMMA_POINTS:
+        count = max(2, rotation_buffers(info["l2_bytes"], n * k / 2))  # the repacked words: 4 bits a weight
+        qws = [random_qweight(n, k, 2, seed=100 + i, device="cuda") for i in range(count)]
+        for m in WGMMA_MS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            rule = decode_wgmma_config(qws[0], m, cuda)
+            kblocks = qws[0].padded_shape[1] // BLOCK_K
+            splits = sorted({s for s in WGMMA_SPLITS if s <= kblocks} | {rule.split})
+            cfgs = {str(s): config_with_split(qws[0], m, s, cuda) for s in splits}
+            samplers = {s: timer.build(lambda i, c=c: decode_wgmma(x, qws[i], config=c), len(qws), s)
+                        for s, c in cfgs.items()}
+            names = list(samplers)
+            samples = {s: [] for s in names}
+            for r in range(args.rounds):
+                for i in round_order(len(names), r):
+                    samples[names[i]].append(samplers[names[i]].sample())
+            us = {s: Spread.of(v).median for s, v in samples.items()}
+            row_programs = qws[0].padded_shape[0] // (FRAGMENT_ROWS * rule.fragments) * -(-m // rule.block_tokens)
+            p = {"N": n, "K": k, "M": m, "block_tokens": rule.block_tokens, "row_programs": row_programs,
+                 "kblocks": kblocks, "us": us, "best": int(min(us, key=us.get)), "rule": rule.split}
+            table.append(p)
+            print(f"N={n:6d} K={k:6d} M={m:3d} rule={rule.split} best={p['best']} "
+                  + " ".join(f"s{s}={v:.1f}" for s, v in us.items()), flush=True)
+            del samplers
+        del qws
+        torch.cuda.empty_cache()
+    res = fit_wgmma(table)
+    with open(f"{args.out}/splitk_wgmma_h200.json", "w") as f:
+        json.dump({"env": info, "table": table, "fit": res}, f, indent=1)
+    for cls, r in res.items():
+        print(f"tokens {cls}: split ~ {r['target_programs']} / programs of one slice: worst loss "
+              f"{100 * r['worst_loss']:.1f}% (rule in force {100 * r['rule_in_force_worst_loss']:.1f}%), "
+              f"{r['points']} points")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernel", choices=("decode", "decode-wgmma"), default="decode")
     args = ap.parse_args()
+    if args.kernel == "decode-wgmma":
+        sweep_wgmma(args)
+        return
     info = env_info()
     table = []
     for n, k in POINTS:

@@ -5,7 +5,8 @@
 # PHASE "kernels": GPU tests, decode and prefill benchmarks, compute-sanitizer.
 # PHASE "system":  escha bench (all arms), racecheck on a reduced grid.
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
-#                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it.
+#                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
+#                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
 # PHASE "e2e":     one layer's input side (bench_shared.py: separate, shared, folded norms, bf16),
 #                  then end-to-end decode, Qwen3-14B-shaped: bf16, escha (q/k/v and gate/up as one
 #                  product each, norms folded) and escha-unshared, with a profiled step per batch.
@@ -61,6 +62,7 @@ case "$phase" in
     done
     step fit_dispatch 60 python benchmarks/fit_dispatch.py "${results[@]}" --out "$out/fit_dispatch.md" \
       --json "$out/fit_dispatch.json"
+    step splitk_wgmma 400 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
     ;;
   e2e)
     step shared 200 python benchmarks/bench_shared.py --out "$out/shared"

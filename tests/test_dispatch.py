@@ -96,6 +96,22 @@ def test_decode_range_takes_the_faster_kernel():
             assert preferred_over_portable(qw, m, cuda) == decode_wgmma_config(qw, m, cuda).early_start
 
 
+def test_wgmma_config_with_another_split():
+    """The split sweep's configurations: the rule's but for the split, with the start the rule
+    gives that grid (down at 16 tokens: 6 slices' 240 programs and 8's 320 start late, 17's 680,
+    at least 4 a SM, early)."""
+    from escha.kernels.decode_wgmma import config_with_split, decode_wgmma_config
+    cuda = torch.device("cuda")
+    down = QuantizedWeight.placeholder((5120, 8704), 2, device="meta")
+    assert config_with_split(down, 16, None, cuda) == decode_wgmma_config(down, 16, cuda)
+    for split, early in ((6, False), (8, False), (17, True), (1, False)):
+        cfg = config_with_split(down, 16, split, cuda)
+        assert (cfg.split, cfg.early_start) == (split, early)
+        assert cfg.block_tokens == 16 and cfg.fragments == 2
+    with pytest.raises(ValueError, match="split must be 1..68"):
+        config_with_split(down, 16, 69, cuda)
+
+
 @pytest.mark.parametrize("m", [64, 65, 127, 128, 131])
 def test_boundaries_run_and_agree(m):
     """Ragged M on both sides of each boundary, through the automatic choice and a rule override."""

@@ -389,12 +389,22 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     launches wherever the device has them (sm_90 always does), the GEMM starting early at 8 tokens,
     with one fragment, or with at least 4 programs per SM, and late otherwise. Fitted on the H200
     sweeps (note at the end of this module)."""
+    return config_with_split(qw, m, None, device)
+
+
+def config_with_split(qw: QuantizedWeight, m: int, split: int | None,
+                      device: torch.device | None = None) -> DecodeWgmmaConfig:
+    """The rule's configuration with ``split`` k-slices instead of its own (None: its own), and the
+    start the rule gives that grid: what benchmarks/fit_splitk.py sweeps."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
     kp = qw.padded_shape[1]
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
-    split = 6 if block_tokens <= 16 else 4 if block_tokens <= 64 else 3
-    split = max(1, min(split, kp // BLOCK_K // 2))
+    if split is None:
+        split = 6 if block_tokens <= 16 else 4 if block_tokens <= 64 else 3
+        split = max(1, min(split, kp // BLOCK_K // 2))
+    elif not 1 <= split <= kp // BLOCK_K:
+        raise ValueError(f"split must be 1..{kp // BLOCK_K} (k-blocks), got {split}")
     stages = 3 if block_tokens <= 128 else 2
     fragments = 2 if block_tokens <= 64 else 1
     # Early start costs where the GEMM's grid is small and its programs are large (two fragments,
