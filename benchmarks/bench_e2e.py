@@ -32,9 +32,9 @@ sys.path.insert(0, ROOT)
 
 import escha  # noqa: E402
 from escha.bench.report import git_sha  # noqa: E402
-from escha.format import QuantizedWeight, random_qweight  # noqa: E402
+from escha.format import random_qweight  # noqa: E402
 from escha.format.shard import row_offsets, split_rows  # noqa: E402
-from escha.nn import EschaLinear, fold_norms, replace_linear, share_inputs  # noqa: E402
+from escha.nn import EschaLinear, fuse_projections, replace_linear  # noqa: E402
 
 QWEN3_14B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
@@ -97,9 +97,7 @@ def build(config, arm: str, device: torch.device, bits: int):
                                              mods[0].in_features, bits=bits, seed=seed, device=device)
                     seed += 1
                     for n, m, part in zip(names, mods, split_rows(stacked, [m.out_features for m in mods])):
-                        own = QuantizedWeight.trusted([t.clone() for t in part.tensors().values()], part.shape,
-                                                      part.bits, part.codebook_id)
-                        setattr(parent, n, EschaLinear.from_quantized(own))
+                        setattr(parent, n, EschaLinear.from_quantized(part.clone()))
             for name, mod in list(model.named_modules()):  # any other Linear of the layers, alone
                 if isinstance(mod, torch.nn.Linear) and ".layers." in name:
                     qw = random_qweight(mod.out_features, mod.in_features, bits=bits, seed=seed, device=device)
@@ -107,8 +105,7 @@ def build(config, arm: str, device: torch.device, bits: int):
                     seed += 1
             model.to(device)
             if arm == "escha":  # as escha.load_model does; "escha-unshared" keeps one product per Linear
-                share_inputs(model)
-                fold_norms(model)
+                fuse_projections(model)
     finally:
         torch.set_default_dtype(prev)
     return model.eval()

@@ -27,7 +27,7 @@ import torch
 from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import Spread, rotation_buffers, round_order
 from escha.bench.report import git_sha
-from escha.format import QuantizedWeight, dequantize, random_qweight
+from escha.format import dequantize, random_qweight
 from escha.format.shard import row_offsets, split_rows
 from escha.norm import HEAD, HeadNorm, RowNorm
 from escha.ops import matmul
@@ -41,9 +41,8 @@ TOL = 2 * (2.0**-8 + 2.0**-10)  # bf16 output, fp16 operands (docs/KERNELS.md to
 
 
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """transformers' LlamaRMSNorm / Qwen3RMSNorm."""
-    h = x.float()
-    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    """transformers' LlamaRMSNorm / Qwen3RMSNorm (RowNorm.apply computes it, bit for bit)."""
+    return RowNorm(w, EPS).apply(x)
 
 
 def heads(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -58,8 +57,7 @@ class WeightSet:
     def __init__(self, rows: tuple[int, ...], k: int, head_norms: bool, seed: int, device: str = "cuda") -> None:
         self.rows = rows
         self.stacked = random_qweight(row_offsets(rows)[-1] + rows[-1], k, 2, seed=seed, device=device)
-        self.parts = [QuantizedWeight.trusted([t.clone() for t in p.tensors().values()], p.shape, 2)
-                      for p in split_rows(self.stacked, list(rows))]
+        self.parts = [p.clone() for p in split_rows(self.stacked, list(rows))]
         g = torch.Generator(device=device).manual_seed(seed)
         self.norm_w = (torch.rand(k, device=device, generator=g) + 0.5).to(torch.bfloat16)
         self.head_ws = ([(torch.rand(HEAD, device=device, generator=g) + 0.5).to(torch.bfloat16) for _ in rows[:2]]

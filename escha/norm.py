@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .format.spec import HAD_BLOCK
+
 
 @dataclass(frozen=True)
 class RowNorm:
@@ -39,7 +41,7 @@ class RowNorm:
                 and self.weight.shape[0] == x.shape[-1] and self.weight.is_contiguous())
 
 
-HEAD = 128  # the head width a HeadNorm normalises: one Hadamard block
+HEAD = HAD_BLOCK  # the head width a HeadNorm normalises: one Hadamard block
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,23 @@ class HeadNorm:
     weight: torch.Tensor  # [Np]: each normalised block's norm weight (any values elsewhere)
     blocks: torch.Tensor  # int8 [Np / 128]: 1 where the block is a normalised head
     eps: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, torch.Tensor) or not isinstance(self.blocks, torch.Tensor):
+            raise TypeError("HeadNorm.weight and HeadNorm.blocks must be tensors")
+        if self.weight.dim() != 1 or self.weight.shape[0] % HEAD:
+            raise ValueError(f"HeadNorm.weight must be 1-D, whole {HEAD}-row blocks; got {list(self.weight.shape)}")
+        if tuple(self.blocks.shape) != (self.weight.shape[0] // HEAD,):
+            raise ValueError(f"HeadNorm.blocks must hold one flag a block, [{self.weight.shape[0] // HEAD}]; got "
+                             f"{list(self.blocks.shape)}")
+        if not self.eps >= 0:
+            raise ValueError(f"HeadNorm.eps must be non-negative, got {self.eps!r}")
+
+    def fusable(self, y: torch.Tensor) -> bool:
+        """Whether a kernel's output transform can apply it to y: weights of y's dtype and int8
+        flags, contiguous, on y's device."""
+        return (self.weight.dtype == y.dtype and self.blocks.dtype == torch.int8 and self.weight.device == y.device
+                and self.weight.is_contiguous() and self.blocks.is_contiguous())
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         """The norm applied to y [..., out] in PyTorch (y's dtype), as the model computes it; every

@@ -43,7 +43,7 @@ import torch
 
 from .format.codec import matmul_reference
 from .format.qweight import TENSOR_NAMES, QuantizedWeight
-from .norm import HeadNorm, RowNorm
+from .norm import HEAD, HeadNorm, RowNorm
 
 
 class KernelPath(str, enum.Enum):
@@ -231,7 +231,7 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
         else:
             x2d = norm.apply(x2d)
     head = None if head_weight is None else HeadNorm(head_weight, head_blocks, head_eps)
-    if head is not None and op.fuses_norm and head.weight.dtype == x2d.dtype:
+    if head is not None and op.fuses_norm and head.fusable(x2d):  # y has x2d's dtype and device
         kwargs["head_norm"], head = head, None
     y = op.run(x2d, qw, **kwargs)
     if head is not None:
@@ -285,15 +285,12 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
     if head_norm is not None and not isinstance(head_norm, HeadNorm):
         raise TypeError(f"head_norm must be an escha.norm.HeadNorm, got {type(head_norm).__name__}")
     np_ = qw.padded_shape[0]
-    if head_norm is not None and (head_norm.weight.shape != (np_,) or head_norm.blocks.shape != (np_ // 128,)):
-        raise ValueError(f"the head norm must have [{np_}] row weights and [{np_ // 128}] block flags, got "
+    if head_norm is not None and head_norm.weight.shape[0] != np_:  # HeadNorm checks its flags against it
+        raise ValueError(f"the head norm must have [{np_}] row weights and [{np_ // HEAD}] block flags, got "
                          f"{list(head_norm.weight.shape)} and {list(head_norm.blocks.shape)}")
     code = _AUTO if path is None else _PATH_CODE[path]
     ints = (qw.out_features, qw.in_features, qw.bits, qw.codebook_id, code, _PRECISION_CODE[precision],
             r.decode_max_m, r.dequant_min_m)
-    rest: tuple = ()
-    if norm is not None or head_norm is not None:
-        rest = (None, 0.0) if norm is None else (norm.weight, float(norm.eps))
-    if head_norm is not None:
-        rest += (head_norm.weight, head_norm.blocks, float(head_norm.eps))
-    return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints, *rest)
+    norms = (None, 0.0) if norm is None else (norm.weight, float(norm.eps))
+    heads = (None, None, 0.0) if head_norm is None else (head_norm.weight, head_norm.blocks, float(head_norm.eps))
+    return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints, *norms, *heads)

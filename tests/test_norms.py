@@ -100,6 +100,24 @@ def test_bad_head_norms_are_refused():
         escha.matmul(torch.randn(2, IN), qw, head_norm=torch.ones(256))
     with pytest.raises(ValueError, match=r"\[256\] row weights and \[2\] block flags"):
         escha.matmul(torch.randn(2, IN), qw, head_norm=HeadNorm(torch.ones(128), torch.ones(1, dtype=torch.int8), 0.0))
+    with pytest.raises(ValueError, match="whole 128-row blocks"):
+        HeadNorm(torch.ones(200), torch.ones(2, dtype=torch.int8), 1e-6)
+    with pytest.raises(ValueError, match=r"one flag a block, \[2\]"):
+        HeadNorm(torch.ones(256), torch.ones(3, dtype=torch.int8), 1e-6)
+    with pytest.raises(ValueError, match="non-negative"):
+        HeadNorm(torch.ones(256), torch.ones(2, dtype=torch.int8), -1.0)
+
+
+def test_head_norm_the_kernel_cannot_take_is_applied_after():
+    """Weights the output transform cannot read as they are (strided here) go the PyTorch way
+    after the product: the same result as the norm applied to the plain product."""
+    qw = random_qweight(256, IN, 2, seed=8)
+    weight = (torch.rand(256, 2) + 0.5).half()[:, 0]  # a column: stride 2
+    head = HeadNorm(weight, torch.tensor([1, 0], dtype=torch.int8), 1e-6)
+    x = torch.randn(4, IN).half()
+    assert not head.fusable(x)
+    assert torch.equal(escha.matmul(x, qw, path="decode", head_norm=head),
+                       head.apply(escha.matmul(x, qw, path="decode")))
 
 
 def _unfold(model):

@@ -201,8 +201,7 @@ def test_group_on_the_gpu_in_a_cuda_graph(m):
     parts = split_rows(stacked, [5120, 1024, 1024])
     block = nn.Module()
     for name, part in zip("qkv", parts):
-        own = QuantizedWeight.trusted([t.clone() for t in part.tensors().values()], part.shape, 2)
-        setattr(block, name, EschaLinear.from_quantized(own))
+        setattr(block, name, EschaLinear.from_quantized(part.clone()))
     x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
     alone = [getattr(block, n)(x) for n in "qkv"]
     assert share_inputs(block) == 1

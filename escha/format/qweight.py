@@ -141,6 +141,12 @@ class QuantizedWeight:
                                shape=self.shape, bits=self.bits,
                                codebook_id=self.codebook_id, had_block=self.had_block)
 
+    def clone(self) -> "QuantizedWeight":
+        """A copy that owns its tensors (a slice's views, ``shard`` or ``split_rows``, become tensors
+        of their own, so each is stored and freed alone); values are not checked again."""
+        return QuantizedWeight.trusted([t.clone() for t in self.tensors().values()], self.shape, self.bits,
+                                       self.codebook_id)
+
     def shard(self, dim: int, rank: int, world_size: int, parts: Sequence[int] | None = None) -> "QuantizedWeight":
         """Rank ``rank``'s slice of ``world_size`` along ``dim`` (0: output rows, 1: input columns).
 

@@ -57,9 +57,8 @@ class EschaHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from ..nn import fold_norms, share_inputs
-        share_inputs(model)  # projections quantized over one input run as one product,
-        fold_norms(model)  # with the RMSNorm before them in their input transform
+        from ..nn import fuse_projections
+        fuse_projections(model)  # projections quantized over one input as one product, norms folded in
         return model
 
     def is_serializable(self, safe_serialization: bool | None = None) -> bool:

@@ -191,9 +191,8 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     split, m, np_ = z.shape
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
-    if head_norm is not None and (head_norm.weight.shape != (np_,) or head_norm.blocks.shape != (np_ // HAD_BLOCK,)
-                                  or head_norm.weight.dtype != out.dtype):
-        raise ValueError(f"head norm: weight must be {out.dtype} [{np_}] and blocks [{np_ // HAD_BLOCK}]")
+    if head_norm is not None and (head_norm.weight.shape[0] != np_ or not head_norm.fusable(out)):
+        raise ValueError(f"head norm: weight must be contiguous {out.dtype} [{np_}] and blocks int8 [{np_ // HAD_BLOCK}]")
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)

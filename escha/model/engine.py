@@ -127,14 +127,13 @@ class HessianCollector:
 
     def _hook(self, name: str):
         def fn(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             if name not in self.sums:  # first call: which input does it read?
                 if self._runs and args[0] is self._last_input:
                     self._runs[-1].append(name)
                 else:
                     self._runs.append([name])
                 self._last_input = args[0]
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            if name not in self.sums:
                 self.sums[name] = torch.zeros(x.shape[1], x.shape[1], device=x.device)
                 self.count[name] = 0
             self.sums[name].addmm_(x.T, x)

@@ -141,12 +141,12 @@ def check_complete(model: nn.Module, model_dir: str) -> None:
 def finish(model: nn.Module, model_dir: str) -> nn.Module:
     """The loaded model in eval mode, with the directory's generation config if it has one, its
     EschaLinears that were quantized over one input grouped to run as one product
-    (``escha.nn.share_inputs``), and the RMSNorms before them folded into them (``fold_norms``)."""
+    (``escha.nn.share_inputs``), and the RMSNorms around them folded into them
+    (``escha.nn.fuse_projections``)."""
     from transformers import GenerationConfig
 
-    from ..nn import fold_norms, share_inputs
-    share_inputs(model)
-    fold_norms(model)
+    from ..nn import fuse_projections
+    fuse_projections(model)
 
     gen = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gen) and hasattr(model, "generation_config"):

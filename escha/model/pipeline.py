@@ -22,8 +22,7 @@ from tqdm import tqdm
 from ..devices import model_device, resolve_device
 from ..format.qweight import QuantizedWeight
 from ..nn.linear import EschaLinear, dense_linear, replace_linear
-from ..nn.norms import fold_norms
-from ..nn.shared import share_inputs
+from ..nn.norms import fuse_projections
 from ..progress import SlowWorkWarning, bar, format_seconds
 from ..quant import estimate_seconds, tile_count
 from ..quant.quantize import SLOW_SECONDS
@@ -304,8 +303,7 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     # quantized over one input grouped to run as one product and the RMSNorms before them
     # folded into them, as escha.load_model does.
     run.install(source.linears, source.candidates, bits_map, dense=False)
-    share_inputs(model)
-    fold_norms(model)
+    fuse_projections(model)
     return _report(run, bits_map, {"source": samples.source, "samples": len(samples.samples),
                                    "tokens": samples.tokens}, t0)
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from .. import ops
 from ..format.qweight import TENSOR_NAMES, QuantizedWeight
-from ..norm import HeadNorm, RowNorm
+from ..norm import HEAD, HeadNorm, RowNorm
 
 
 class EschaLinear(nn.Module):
@@ -51,9 +51,9 @@ class EschaLinear(nn.Module):
         # set without registering it as a submodule, so that it is saved once, where the model has it.
         object.__setattr__(self, "_input_norm", None)
         # Likewise the FoldedNorm of the per-head RMSNorm applied to this layer's output (Qwen3's
-        # q_norm, k_norm), and the HeadNorm built from it (_head_cache).
+        # q_norm, k_norm), and the HeadNorm built from it.
         object.__setattr__(self, "_output_norm", None)
-        self._head_cache: tuple | None = None
+        self._head_norms = HeadNormCache()
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -124,12 +124,7 @@ class EschaLinear(nn.Module):
     @property
     def head_norm(self) -> HeadNorm | None:
         """The per-head RMSNorm this layer applies to its output (``escha.nn.fold_norms``), or None."""
-        if self._output_norm is None:
-            return None
-        built = head_norm_for([self], self._head_cache)
-        if not capturing():  # tensors made inside a graph's capture live in its pool: not kept
-            self._head_cache = built
-        return built[1]
+        return None if self._output_norm is None else self._head_norms.get([self])
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W_hat^T through escha.matmul, with this layer's path or precision (and input and head
@@ -186,31 +181,50 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def head_norm_for(layers: list, cache: tuple | None) -> tuple:
-    """(key, HeadNorm or None) for the stacked output of ``layers`` (rows of each padded to whole
+def write_count(t: torch.Tensor) -> int | None:
+    """The tensor's in-place write counter (inference tensors keep none)."""
+    return None if t.is_inference() else t._version
+
+
+class HeadNormCache:
+    """The HeadNorm of the stacked output of some EschaLinears (rows of each padded to whole
     128-blocks but the last): the blocks of a layer with a folded head norm flagged and given its
-    weight, the others not. ``cache`` is returned when the norms' weights are the same tensors,
-    unchanged; a new one is built otherwise (device ops only, so a CUDA graph may capture it)."""
-    norms = [m._output_norm for m in layers]
-    # The weight's storage, dtype and write counter: a move or a cast (.to) keeps the Parameter
-    # object but not its data.
-    key = tuple(None if n is None else (id(n.weight), n.weight.data_ptr(), n.weight.dtype,
-                                        None if n.weight.is_inference() else n.weight._version) for n in norms)
-    if cache is not None and cache[0] == key:
-        return cache
-    if all(n is None for n in norms):
-        return key, None
+    weight, the others not; None when none has one.
+
+    Kept while the norms' weights stay the same tensors, unchanged (a move or a cast keeps the
+    Parameter object but not its data, hence storage and dtype in the key). Built with device ops
+    only, so a CUDA graph may capture the building, but then not kept: tensors made inside a
+    capture live in the graph's pool.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: HeadNorm | None = None
+
+    def get(self, layers: list) -> HeadNorm | None:
+        norms = [m._output_norm for m in layers]
+        key = tuple(None if n is None else (id(n.weight), n.weight.data_ptr(), n.weight.dtype, write_count(n.weight))
+                    for n in norms)
+        if key == self._key:
+            return self._value
+        value = None if all(n is None for n in norms) else _head_norm(layers, norms)
+        if not capturing():
+            self._key, self._value = key, value
+        return value
+
+
+def _head_norm(layers: list, norms: list) -> HeadNorm:
     ref = next(n for n in norms if n is not None)
     weights, flags = [], []
     for m, n in zip(layers, norms):
-        blocks = -(-m.out_features // 128)
+        blocks = -(-m.out_features // HEAD)
         if n is None:
-            weights.append(torch.zeros(blocks * 128, dtype=ref.weight.dtype, device=ref.weight.device))
+            weights.append(torch.zeros(blocks * HEAD, dtype=ref.weight.dtype, device=ref.weight.device))
             flags.append(torch.zeros(blocks, dtype=torch.int8, device=ref.weight.device))
         else:
             weights.append(n.weight.to(ref.weight.dtype).repeat(blocks))
             flags.append(torch.ones(blocks, dtype=torch.int8, device=ref.weight.device))
-    return key, HeadNorm(torch.cat(weights), torch.cat(flags), ref.variance_epsilon)
+    return HeadNorm(torch.cat(weights), torch.cat(flags), ref.variance_epsilon)
 
 
 def matmul_with(x: torch.Tensor, qw: QuantizedWeight, path: str | None, precision: str | None,

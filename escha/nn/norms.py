@@ -23,6 +23,7 @@ from torch import nn
 
 from ..norm import HEAD, RowNorm
 from .linear import EschaLinear
+from .shared import share_inputs
 
 # Decoder layers (transformers class names) whose norms feed only these projections:
 # norm attribute -> (block attribute, the block's projections that read the norm's output).
@@ -104,6 +105,12 @@ def _fold_head_norms(layer: nn.Module) -> int:
         fn = FoldedNorm(norm)
         setattr(block, norm_name, fn)
         object.__setattr__(proj, "_output_norm", fn)
-        proj._head_cache = None
         folded += 1
     return folded
+
+
+def fuse_projections(model: nn.Module) -> tuple[int, int]:
+    """What every loader does to a quantized model before it runs: group the projections quantized
+    over one input (``share_inputs``), then fold the RMSNorms before and after them into them
+    (``fold_norms``). Returns (groups formed, norms folded)."""
+    return share_inputs(model), fold_norms(model)

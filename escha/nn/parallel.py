@@ -101,8 +101,7 @@ class ParallelEschaLinear(_Parallel, EschaLinear):
                   bits=qw.bits, codebook_id=qw.codebook_id, device="meta")
         shard = qw.shard(cls.PARALLEL_DIM, tp.rank, tp.world_size, parts)
         # Copies, so that the whole weight's memory is freed once the caller drops it.
-        mod.set_qweight(QuantizedWeight.trusted([t.clone() for t in shard.tensors().values()], shard.shape,
-                                                shard.bits, shard.codebook_id))
+        mod.set_qweight(shard.clone())
         if bias is not None:
             mod.bias = nn.Parameter(_local_bias(bias, mod.shard, cls.PARALLEL_DIM).clone().to(qw.device),
                                     requires_grad=False)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..format.qweight import TENSOR_NAMES
 from ..format.shard import ShardError, concat_rows, row_offsets, split_rows
-from .linear import EschaLinear, capturing, head_norm_for, matmul_with
+from .linear import EschaLinear, HeadNormCache, capturing, matmul_with, write_count
 
 
 class SharedInput:
@@ -42,14 +42,14 @@ class SharedInput:
         self._x_version = -1
         self._y: torch.Tensor | None = None
         self._pending: set[int] = set()
-        self._head_cache: tuple | None = None
+        self._head_norms = HeadNormCache()
         self._build()  # raises ShardError when the weights were not quantized together
         for i, m in enumerate(self.members):
             m._shared, m._shared_index = self, i
 
     def _buffer_key(self) -> tuple:
         # Identity and version of every member buffer: a move (.to) or an in-place load changes it.
-        return tuple((id(t), _version(t)) for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
+        return tuple((id(t), write_count(t)) for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
 
     def _build(self) -> None:
         """Stack the members' weights; each member then holds views of the stack."""
@@ -76,7 +76,7 @@ class SharedInput:
         if len(settings) != 1 or len(eps) > 1:
             return None  # members asked for different paths, precisions or norms
         i = member._shared_index
-        same = self._y is not None and x is self._x and _version(x) == self._x_version
+        same = self._y is not None and x is self._x and write_count(x) == self._x_version
         if self._pending and not same:
             self._stop()  # another input while members still wait for this one: no shared input
             return None
@@ -88,11 +88,9 @@ class SharedInput:
             except ShardError:
                 self._stop()  # the members' weights were replaced by ones not quantized together
                 return None
-            built = head_norm_for(self.members, self._head_cache)
-            if not capturing():  # tensors made inside a graph's capture live in its pool: not kept
-                self._head_cache = built
-            self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm, built[1])
-            self._x, self._x_version = x, _version(x)
+            self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm,
+                                  self._head_norms.get(self.members))
+            self._x, self._x_version = x, write_count(x)
             self._pending = set(range(len(self.members)))
         self._pending.discard(i)
         off = self.offsets[i]
@@ -104,11 +102,6 @@ class SharedInput:
     def _stop(self) -> None:
         self.diverged = True
         self._x, self._y, self._pending = None, None, set()
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """The tensor's in-place write counter (inference tensors keep none)."""
-    return None if t.is_inference() else t._version
 
 
 def share_inputs(model: nn.Module) -> int:

@@ -145,10 +145,7 @@ def quantize_shared(Ws: Sequence[torch.Tensor], bits: int = 2, hessian: torch.Te
                                                  (0, 0, 0, 0 if i == last else padded(w.shape[0]) - w.shape[0]))
                          for i, w in enumerate(Ws)])
     qw = quantize(stacked, bits, hessian, seed, **kwargs)
-    # Own tensors for each weight (not views of the stack), so each is stored and freed alone.
-    parts = split_rows(qw, [int(w.shape[0]) for w in Ws])
-    return [QuantizedWeight.trusted([t.clone() for t in p.tensors().values()], p.shape, p.bits, p.codebook_id)
-            for p in parts]
+    return [p.clone() for p in split_rows(qw, [int(w.shape[0]) for w in Ws])]
 
 
 def _encode_weight(W: torch.Tensor, bits: int, h: torch.Tensor | None, seed: int, cb, enc: Encoder, damp: float,
