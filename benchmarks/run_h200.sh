@@ -3,6 +3,8 @@
 # benchmarks/results/. Usage (repository root, CUDA machine):
 #   ESCHA_GIT_SHA=<commit> benchmarks/run_h200.sh PHASE OUT_DIR
 # PHASE "kernels": GPU tests, decode and prefill benchmarks, compute-sanitizer.
+# PHASE "check":   GPU tests, compute-sanitizer memcheck and racecheck on the reduced grid, and
+#                  one layer's input side (bench_shared.py): one call of at most 10 minutes.
 # PHASE "system":  escha bench (all arms), racecheck on a reduced grid.
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
@@ -13,7 +15,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, system, sweep, e2e or tp}
+phase=${1:?phase: kernels, check, system, sweep, e2e or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,6 +40,11 @@ case "$phase" in
     step decode 200 python benchmarks/bench_decode.py --out "$out/decode" --ablate --sweep
     step prefill 150 python benchmarks/bench_prefill.py --out "$out/prefill"
     step sanitizer 200 benchmarks/run_sanitizer.sh "$out/sanitizer_h200.txt"
+    ;;
+  check)
+    step gpu_tests 270 python -m pytest -q -m gpu tests
+    step sanitizer 170 env ESCHA_SANITIZER_GRID=small benchmarks/run_sanitizer.sh "$out/sanitizer_small_h200.txt"
+    step shared 120 python benchmarks/bench_shared.py --out "$out/shared"
     ;;
   system)
     ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4
