@@ -12,9 +12,10 @@ decode-wgmma (the register-operand kernel): Qwen3-14B's four projection sets at 
 degrees 1, 2 and 4 (12 shapes), each at M in {1, 16, 64} (36 points); splits 1, 2, 3, 4, 6, 8 with
 the rule's configuration otherwise (``decode_wgmma.config_with_split``, which also gives each grid
 the start the rule would). Timing: escha.bench's method. Fit, per token block class (8-16, 32-64,
-128-256 tokens): split = the one nearest to T / (programs of one k-slice), clamped to 1..8 and to
+128-256 tokens): split = the one nearest to T / (programs of one k-slice), clamped to 2..8 (one
+slice was the slowest split at all 36 points of the first sweep, splitk_wgmma_h200.json) and to
 two k-blocks a slice, with the T of least worst-case loss; compared with the rule in force.
-Writes splitk_wgmma_h200.json.
+Writes splitk_wgmma_h200.json. ``--refit FILE`` fits a written table again, with no GPU.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from bench_decode import env_info, graph_of, interleaved, weight_set  # noqa: E4
 
 from escha.bench.cuda_timing import GraphTimer  # noqa: E402
 from escha.bench.method import Spread, rotation_buffers, round_order  # noqa: E402
-from escha.format import random_qweight  # noqa: E402
+from escha.format import QuantizedWeight, random_qweight  # noqa: E402
 from escha.kernels import SplitKRule, decode, decode_config, decode_split_k  # noqa: E402
 from escha.kernels.decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, config_with_split, decode_wgmma,  # noqa: E402
                                         decode_wgmma_config)
@@ -69,8 +70,8 @@ TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
 
 def wgmma_split_for(row_programs: int, kblocks: int, target: float) -> int:
     """The split nearest to ``target`` programs over ``row_programs`` programs of one k-slice,
-    clamped to 1..8 and to at least two k-blocks a slice."""
-    s = max(1, min(8, round(target / row_programs)))
+    clamped to 2..8 and to at least two k-blocks a slice."""
+    s = max(2, min(8, round(target / row_programs)))
     return max(1, min(s, kblocks // 2))
 
 
@@ -86,16 +87,29 @@ def fit_wgmma(table: list[dict]) -> dict:
             losses = []
             for p in pts:
                 s = wgmma_split_for(p["row_programs"], p["kblocks"], target)
-                s = min(p["us"], key=lambda k: abs(int(k) - s))  # the nearest measured split
-                losses.append(p["us"][s] / min(p["us"].values()) - 1)
+                losses.append(nearest_loss(p, s))
             key = (max(losses), sum(losses) / len(losses))
             if best is None or key < best[0]:
                 best = (key, target)
         (worst, mean), target = best
-        rule = [p["us"][str(p["rule"])] / min(p["us"].values()) - 1 for p in pts]
+        swept = [p["us"][str(p["rule"])] / min(p["us"].values()) - 1 for p in pts]
+        now = [nearest_loss(p, rule_split(p)) for p in pts]
         out[f"{lo}-{hi}"] = {"target_programs": target, "worst_loss": worst, "mean_loss": mean,
-                             "rule_in_force_worst_loss": max(rule), "points": len(pts)}
+                             "rule_in_force_worst_loss": max(swept), "rule_now_worst_loss": max(now),
+                             "rule_now_mean_loss": sum(now) / len(now), "points": len(pts)}
     return out
+
+
+def nearest_loss(p: dict, split: int) -> float:
+    """A point's loss at ``split`` (the nearest measured split) against its best split."""
+    s = min(p["us"], key=lambda k: abs(int(k) - split))
+    return p["us"][s] / min(p["us"].values()) - 1
+
+
+def rule_split(p: dict) -> int:
+    """The split that escha's rule gives a table point now (132 SMs, as the H200)."""
+    qw = QuantizedWeight.placeholder((p["N"], p["K"]), 2, device="meta")
+    return decode_wgmma_config(qw, p["M"], torch.device("cuda")).split
 
 
 def sweep_wgmma(args) -> None:
@@ -132,9 +146,14 @@ def sweep_wgmma(args) -> None:
     res = fit_wgmma(table)
     with open(f"{args.out}/splitk_wgmma_h200.json", "w") as f:
         json.dump({"env": info, "table": table, "fit": res}, f, indent=1)
+    report_wgmma(res)
+
+
+def report_wgmma(res: dict) -> None:
     for cls, r in res.items():
         print(f"tokens {cls}: split ~ {r['target_programs']} / programs of one slice: worst loss "
-              f"{100 * r['worst_loss']:.1f}% (rule in force {100 * r['rule_in_force_worst_loss']:.1f}%), "
+              f"{100 * r['worst_loss']:.1f}% (rule swept {100 * r['rule_in_force_worst_loss']:.1f}%, "
+              f"rule now {100 * r['rule_now_worst_loss']:.1f}% worst, {100 * r['rule_now_mean_loss']:.1f}% mean), "
               f"{r['points']} points")
 
 
@@ -143,7 +162,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kernel", choices=("decode", "decode-wgmma"), default="decode")
+    ap.add_argument("--refit", metavar="JSON", help="fit a written decode-wgmma table again (no GPU)")
     args = ap.parse_args()
+    if args.refit:
+        with open(args.refit) as f:
+            doc = json.load(f)
+        doc["fit"] = fit_wgmma(doc["table"])
+        with open(f"{args.out}/{os.path.basename(args.refit)}", "w") as f:
+            json.dump(doc, f, indent=1)
+        report_wgmma(doc["fit"])
+        return
     if args.kernel == "decode-wgmma":
         sweep_wgmma(args)
         return

@@ -122,16 +122,19 @@ def _kernels_run_on(device: torch.device) -> bool:
 class DispatchRule:
     """Thresholds on M (rows of x) that pick a path for the fp8 precision.
 
-    M <= decode_max_m: decode kernel. decode_max_m < M < dequant_min_m: fused prefill kernel.
+    M <= decode_max_m: a decode kernel (``resolve_path`` picks the register-operand or the
+    portable one; past the portable kernel's 64 tokens, where the register-operand kernel cannot
+    run, dequantize-once). decode_max_m < M < dequant_min_m: fused prefill kernel.
     M >= dequant_min_m: dequantize once + fp8 library GEMM. The bf16 precision always takes the
-    dequant-bf16 path. Defaults from the H200 measurements (benchmarks/results/prefill.md): at
-    both Qwen3-14B TP=2 shapes and every measured M (512, 2048, 8192) dequantize-once beat the
-    fused kernel by 1.25x to 3.7x, so by default every M above the decode range takes it; the
-    fused kernel stays selectable (path="prefill", or a rule with a larger dequant_min_m).
+    dequant-bf16 path. Defaults fitted by benchmarks/fit_dispatch.py on the H200's dense sweep
+    (benchmarks/results/sweep_h200/fit_dispatch.md: every escha path at 20 M from 1 to 8192 on
+    both seed shapes): a decode kernel was fastest up to 128 tokens and dequantize-once from 192;
+    the fused prefill kernel never was, so it stays selectable only (path="prefill", or a rule
+    with a larger dequant_min_m).
     """
 
-    decode_max_m: int = 64  # the decode kernel's whole range (kernels.decode.MAX_DECODE_M)
-    dequant_min_m: int = 65
+    decode_max_m: int = 128
+    dequant_min_m: int = 129
 
     def choose(self, m: int, precision: Precision | str = Precision.FP8) -> KernelPath:
         """The path for M rows at this precision."""
@@ -176,7 +179,8 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
     The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3)
     and where it measured faster than the portable kernel: wherever its GEMM starts early
     (``decode_wgmma.preferred_over_portable``); elsewhere the portable kernel, which measured
-    faster at 6 of those 7 points (docs/KERNELS.md). A path asked for by name runs as asked.
+    faster at 6 of those 7 points (docs/KERNELS.md), up to its 64 tokens; above those,
+    dequantize-once. A path asked for by name runs as asked.
     """
     if not _kernels_run_on(qw.device) or qw.codebook_id != 0:
         # The kernels implement the 3INST codebook (id 0) only; others decode by reference.
@@ -184,12 +188,15 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
     if path is not None:
         return _PATHS[_PATH_CODE[path]]
     chosen = rule.choose(m, precision)
-    if (chosen == KernelPath.DECODE
-            and dispatch_table()[KernelPath.DECODE_WGMMA].available(qw.device, qw.bits, m, True)):
+    if chosen != KernelPath.DECODE:
+        return chosen
+    if dispatch_table()[KernelPath.DECODE_WGMMA].available(qw.device, qw.bits, m, True):
         from .kernels.decode_wgmma import preferred_over_portable
         if preferred_over_portable(qw, m, qw.device):
             return KernelPath.DECODE_WGMMA
-    return chosen
+    if dispatch_table()[KernelPath.DECODE].available(qw.device, qw.bits, m, True):
+        return KernelPath.DECODE
+    return KernelPath.DEQUANT_FP8  # past the portable kernel's range
 
 
 # The custom op's schema: x, the weight's stored tensors in declaration order, then ints.

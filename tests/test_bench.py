@@ -437,19 +437,25 @@ def test_fit_splitk_for_the_register_operand_kernel():
     measured splits (the nearest measured one when the rule's split was not timed)."""
     fit = _script("fit_splitk")
     assert len(fit.WGMMA_POINTS) == 12 and len(fit.WGMMA_MS) * len(fit.WGMMA_POINTS) >= 18
-    assert [fit.wgmma_split_for(56, 40, t) for t in (10, 112, 336, 2000)] == [1, 2, 6, 8]
+    assert [fit.wgmma_split_for(56, 40, t) for t in (10, 112, 336, 2000)] == [2, 2, 6, 8]
     assert fit.wgmma_split_for(56, 6, 336) == 3  # at least two k-blocks a slice
     table = [  # two small-token points best at about 112 programs (2 x 56, 4 x 28), where the
         # rule in force takes 6 slices; a 64-token point best at the rule's 4
-        {"block_tokens": 8, "row_programs": 56, "kblocks": 40, "us": {"2": 20.0, "4": 22.0, "6": 25.0}, "rule": 6},
-        {"block_tokens": 16, "row_programs": 28, "kblocks": 40, "us": {"2": 33.0, "4": 30.0, "6": 31.0}, "rule": 6},
-        {"block_tokens": 64, "row_programs": 136, "kblocks": 40, "us": {"2": 60.0, "4": 50.0, "6": 55.0}, "rule": 4}]
+        {"N": 7168, "K": 5120, "M": 8, "block_tokens": 8, "row_programs": 56, "kblocks": 40,
+         "us": {"2": 20.0, "4": 22.0, "6": 25.0}, "rule": 6},
+        {"N": 3584, "K": 5120, "M": 16, "block_tokens": 16, "row_programs": 28, "kblocks": 40,
+         "us": {"2": 33.0, "4": 30.0, "6": 31.0}, "rule": 6},
+        {"N": 17408, "K": 5120, "M": 64, "block_tokens": 64, "row_programs": 136, "kblocks": 40,
+         "us": {"2": 60.0, "4": 50.0, "6": 55.0}, "rule": 4}]
     res = fit.fit_wgmma(table)
     assert set(res) == {"8-16", "32-64"}
     small = res["8-16"]
     assert small["worst_loss"] == 0.0 and small["rule_in_force_worst_loss"] == pytest.approx(0.25)
     assert [fit.wgmma_split_for(p, 40, small["target_programs"]) for p in (56, 28)] == [2, 4]
     assert res["32-64"]["worst_loss"] == 0.0 and res["32-64"]["rule_in_force_worst_loss"] == 0.0
+    # The rule now in escha (evaluated on the table's shapes): 6 slices below 32 tokens, 4 for
+    # 136 row programs at 64 tokens (4 programs per SM).
+    assert small["rule_now_worst_loss"] == pytest.approx(0.25) and res["32-64"]["rule_now_worst_loss"] == 0.0
 
 
 # -- benchmarks/bench_shared.py -----------------------------------------------------------------

@@ -54,6 +54,7 @@ FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
 FRAGMENT_WORDS = FRAGMENT_ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per 16 weights -> 1024
 MAX_TOKENS = 256  # wgmma N
+SPLIT_TARGET_PROGRAMS = 231  # 32..64 tokens: benchmarks/fit_splitk.py's fit (note at the end)
 HOPPER_SMS = 132  # SMs of an H100 SXM / H200, for the rule when no device is given
 SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
 # A fragment's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
@@ -384,8 +385,9 @@ class DecodeWgmmaConfig:
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule: tokens padded to a power of two >= 8 (at most 256 per program); two fragments
     (128 rows) per program up to 64 tokens, one above (two at 128 tokens need 254 registers);
-    k-slices by token block, 6 / 4 / 3 for <= 16 / <= 64 / more tokens, with at least two k-blocks
-    a slice; an activation ring 3 deep where shared memory allows (2 at 256 tokens); dependent
+    k-slices by token block: 6 up to 16 tokens; at 32..64 about SPLIT_TARGET_PROGRAMS programs
+    (2..8 slices), or the slices (at most 4) that give 4 programs per SM; 3 above; at least two
+    k-blocks a slice; an activation ring 3 deep where shared memory allows (2 at 256 tokens); dependent
     launches wherever the device has them (sm_90 always does), the GEMM starting early at 8 tokens,
     with one fragment, or with at least 4 programs per SM, and late otherwise. Fitted on the H200
     sweeps (note at the end of this module)."""
@@ -400,18 +402,28 @@ def config_with_split(qw: QuantizedWeight, m: int, split: int | None,
         raise ValueError(f"need at least one token, got {m}")
     kp = qw.padded_shape[1]
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
+    stages = 3 if block_tokens <= 128 else 2
+    fragments = 2 if block_tokens <= 64 else 1
+    on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
+    row_programs = qw.padded_shape[0] // (FRAGMENT_ROWS * fragments) * triton.cdiv(m, block_tokens)
     if split is None:
-        split = 6 if block_tokens <= 16 else 4 if block_tokens <= 64 else 3
+        if block_tokens <= 16:
+            split = 6
+        elif block_tokens <= 64:
+            # About SPLIT_TARGET_PROGRAMS programs, 2..8 slices; but where at most 4 slices give
+            # 4 programs per SM (the early start's grid), that many.
+            split = min(8, max(2, round(SPLIT_TARGET_PROGRAMS / row_programs)))
+            reach = triton.cdiv(4 * sms, row_programs)
+            split = max(split, reach) if reach <= 4 else split
+        else:
+            split = 3
         split = max(1, min(split, kp // BLOCK_K // 2))
     elif not 1 <= split <= kp // BLOCK_K:
         raise ValueError(f"split must be 1..{kp // BLOCK_K} (k-blocks), got {split}")
-    stages = 3 if block_tokens <= 128 else 2
-    fragments = 2 if block_tokens <= 64 else 1
     # Early start costs where the GEMM's grid is small and its programs are large (two fragments,
     # >= 16 tokens): up to 1.6x on down-type shapes (note at the end of this module).
-    on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
-    programs = qw.padded_shape[0] // (FRAGMENT_ROWS * fragments) * split * triton.cdiv(m, block_tokens)
+    programs = row_programs * split
     early = block_tokens == 8 or fragments == 1 or programs >= 4 * sms
     return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
