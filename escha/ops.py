@@ -177,10 +177,9 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
     """The path ``matmul(x, qw, ...)`` runs for M rows of x (what it does, without running it).
 
     The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3)
-    and where it measured faster than the portable kernel: wherever its GEMM starts early
-    (``decode_wgmma.preferred_over_portable``); elsewhere the portable kernel, which measured
-    faster at 6 of those 7 points (docs/KERNELS.md), up to its 64 tokens; above those,
-    dequantize-once. A path asked for by name runs as asked.
+    and where it measured faster than the portable kernel (``decode_wgmma.preferred_over_portable``:
+    where its GEMM starts early, and at 32 tokens or more); elsewhere the portable kernel, up to
+    its 64 tokens; above those, dequantize-once. A path asked for by name runs as asked.
     """
     if not _kernels_run_on(qw.device) or qw.codebook_id != 0:
         # The kernels implement the 3INST codebook (id 0) only; others decode by reference.

@@ -432,11 +432,13 @@ def config_with_split(qw: QuantizedWeight, m: int, split: int | None,
 
 def preferred_over_portable(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> bool:
     """Whether the dispatcher's decode range should run this kernel rather than the portable
-    one (decode.py) for M rows: wherever this kernel's rule starts its GEMM early. Where the rule
-    starts it late (two fragments, 16..64 tokens, fewer than 4 programs per SM) the portable
-    kernel measured faster at 6 of 7 points (this kernel took up to 9.0% longer) and 4.4% slower
-    at the seventh (note at the end of this module)."""
-    return decode_wgmma_config(qw, m, device).early_start
+    one (decode.py) for M rows: wherever this kernel's rule starts its GEMM early, and at 32 or
+    more tokens. At 9..16 tokens with a late start the two measured within 8% either way, the
+    portable kernel ahead on Llama-3-8B's down and behind on Qwen3-14B's (note at the end of
+    this module); at 32..64 tokens, since the split refit, this kernel measured faster at every
+    point of the dense sweep on both seed shapes (benchmarks/results/sweep_h200/)."""
+    cfg = decode_wgmma_config(qw, m, device)
+    return cfg.early_start or cfg.block_tokens >= 32
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
