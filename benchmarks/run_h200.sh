@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # The H200 measurement run: every GPU check and benchmark whose results are committed under
 # benchmarks/results/. Usage (repository root, CUDA machine):
-#   ESCHA_GIT_SHA=<commit> benchmarks/run_h200.sh PHASE OUT_DIR
-# PHASE "kernels": GPU tests, decode and prefill benchmarks, compute-sanitizer.
+#   ESCHA_GIT_SHA=<commit> benchmarks/run_h200.sh PHASE OUT_DIR   (e.g. OUT_DIR=/tmp/check)
+# Each phase is one call of at most 10 minutes.
+# PHASE "kernels": decode and prefill benchmarks, compute-sanitizer memcheck on the full grid.
 # PHASE "check":   GPU tests, compute-sanitizer memcheck and racecheck on the reduced grid, and
 #                  one layer's input side (bench_shared.py): one call of at most 10 minutes.
-# PHASE "system":  escha bench (all arms), racecheck on a reduced grid.
+# PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
+#                  tunes itself at each point, about 40 s a point.
+# PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
+# PHASE "llm-stage", then "llm" within 30 s (the machine stays warm): SmolLM2-135M's perplexity with
+#                  the shared-input quantization (benchmarks/bench_llm.py: reference, escha K=2, K=3).
+#                  The GGUF is 98 MB, over one call's 64 MiB, so it travels in two ignored folders:
+#                  llm-stage carries .whl (part 0, the KJV text, gguf's wheel) and copies them to
+#                  /tmp/llm; llm carries .whl2 (part 1) and joins them.
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
@@ -15,14 +23,16 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, system, sweep, e2e or tp}
+phase=${1:?phase: kernels, check, system, system2, sweep, e2e, llm-stage, llm or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ]; then  # optional peers (gemlite) carried as wheels
-  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+for d in .whl .whlg; do  # optional packages carried as wheels (gguf in .whl, gemlite in .whlg)
+  if compgen -G "$d/*.whl" > /dev/null; then
+    python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$d"/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  fi
+done
 log="$out/steps.log"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -36,10 +46,9 @@ step() {  # step NAME SECONDS COMMAND...
   echo "git ${ESCHA_GIT_SHA:-unknown} date $(date -u +%FT%TZ)"; } > "$out/env.txt" 2>&1
 case "$phase" in
   kernels)
-    step gpu_tests 200 python -m pytest -q -m gpu tests
     step decode 200 python benchmarks/bench_decode.py --out "$out/decode" --ablate --sweep
     step prefill 150 python benchmarks/bench_prefill.py --out "$out/prefill"
-    step sanitizer 200 benchmarks/run_sanitizer.sh "$out/sanitizer_h200.txt"
+    step memcheck 200 env ESCHA_SANITIZER_TOOLS=memcheck benchmarks/run_sanitizer.sh "$out/sanitizer_memcheck_h200.txt"
     ;;
   check)
     step gpu_tests 270 python -m pytest -q -m gpu tests
@@ -48,11 +57,29 @@ case "$phase" in
     ;;
   system)
     ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4
-    # Decode and prefill points as two runs, so a slow peer's tuning cannot cost both tables.
-    step bench_decode 150 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 --out "$out/bench_decode"
-    step bench_prefill 110 python -m escha.cli bench --arms "$ARMS" --m 512,2048,8192 --out "$out/bench_prefill"
-    step racecheck 70 env ESCHA_SANITIZER_TOOLS=racecheck ESCHA_SANITIZER_GRID=small \
+    for shape in gate_up down; do
+      step "bench_decode_$shape" 270 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 \
+        --shapes "$shape" --out "$out/bench_decode_$shape"
+    done
+    ;;
+  system2)
+    ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4
+    step bench_prefill 300 python -m escha.cli bench --arms "$ARMS" --m 512,2048,8192 --out "$out/bench_prefill"
+    step racecheck 150 env ESCHA_SANITIZER_TOOLS=racecheck ESCHA_SANITIZER_GRID=small \
       benchmarks/run_sanitizer.sh "$out/sanitizer_racecheck_h200.txt"
+    ;;
+  llm-stage)
+    mkdir -p /tmp/llm && cp .whl/smollm2.gguf.part00 .whl/kjv.txt.xz .whl/gguf-*.whl /tmp/llm/ \
+      && ls -l /tmp/llm > "$out/stage.txt"
+    ;;
+  llm)
+    cat /tmp/llm/smollm2.gguf.part00 .whl2/smollm2.gguf.part01 > /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
+      && xz -dc /tmp/llm/kjv.txt.xz > /tmp/llm/kjv.txt \
+      && python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm/gguf-*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    step llm 540 python benchmarks/bench_llm.py --device cuda --gguf /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --eval-text /tmp/llm/kjv.txt --work /tmp/llm/work --parts reference,escha --configs bits2,bits3 \
+      --out "$out/llm_h200_shared.json"
     ;;
   sweep)
     ARMS=escha,escha-decode,escha-decode-wgmma,escha-prefill,escha-dequant-fp8,torch-bf16,torch-fp8
@@ -61,15 +88,15 @@ case "$phase" in
     IFS=, read -ra shapes <<< "${SWEEP_SHAPES:-gate_up,down}"
     for shape in "${shapes[@]}"; do
       name=${shape%%x*}
-      step "sweep_$name" 280 python -m escha.cli bench --arms "$ARMS" --m "$MS" --shapes "$shape" \
+      step "sweep_$name" 200 python -m escha.cli bench --arms "$ARMS" --m "$MS" --shapes "$shape" \
         --out "$out/sweep_$name"
       f="$out/sweep_$name/results.json"
       [ -f "$f" ] || f="$out/sweep_$name/results.partial.json"  # a step cut by its limit keeps its points
       results+=("$f")
     done
-    step fit_dispatch 60 python benchmarks/fit_dispatch.py "${results[@]}" --out "$out/fit_dispatch.md" \
+    step fit_dispatch 30 python benchmarks/fit_dispatch.py "${results[@]}" --out "$out/fit_dispatch.md" \
       --json "$out/fit_dispatch.json"
-    step splitk_wgmma 400 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
+    step splitk_wgmma 150 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
     ;;
   e2e)
     step shared 200 python benchmarks/bench_shared.py --out "$out/shared"
@@ -82,3 +109,5 @@ case "$phase" in
     ;;
 esac
 tar -czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+# At most 8 files come back from the device's $OUT: give OUT_DIR outside it, and the archive lands there.
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then cp "$out.tgz" "$OUT/"; fi
