@@ -58,3 +58,25 @@ def test_from_pretrained_matches_load_model(quantized):
 def test_config_rejects_newer_format():
     with pytest.raises(ValueError, match="newer than this escha supports"):
         escha_hf.EschaConfig(bits_map={}, version=99)
+
+
+def test_gemma3_loads_in_the_asked_dtype(tmp_path):
+    """A bf16 Gemma 3 checkpoint loaded in fp32 by load_model computes what from_pretrained's
+    model computes: buffers made at construction (the embedding scale sqrt(48), 6.93 in fp32 and
+    6.94 in bf16) take the asked dtype, not the checkpoint's."""
+    torch.manual_seed(2)
+    cfg = transformers.Gemma3TextConfig(hidden_size=48, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=24, vocab_size=256,
+                                        max_position_embeddings=256, sliding_window=16)
+    transformers.Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp_path / "src"))
+    out = str(tmp_path / "out")
+    assert cli_main(["quantize", str(tmp_path / "src"), out, "--bits", "2", "--encoder", "greedy", "--no-hessian",
+                     "--seq-len", "48", "--quiet"]) == 0
+    ours = load_model(out, device="cpu", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    scale = ours.model.embed_tokens.embed_scale
+    assert scale.dtype == torch.float32 and float(scale) == pytest.approx(48 ** 0.5, rel=1e-6)
+    a, b = dict(ours.named_buffers()), dict(hf.named_buffers())
+    assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.equal(ours(PROMPT).logits, hf(PROMPT).logits)

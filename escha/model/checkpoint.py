@@ -149,12 +149,14 @@ def model_class(config):
     raise UnsupportedModelError("config.json names no architecture ('architectures' is empty)")
 
 
-def build_skeleton(config) -> nn.Module:
-    """The model of ``config`` with meta parameters, in eval mode."""
+def build_skeleton(config, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model of ``config`` with meta parameters, in eval mode, built in ``dtype`` (None: the
+    config's) as from_pretrained builds it: buffers made at construction (Gemma 3's embedding
+    scale, for one) take that dtype, so a bf16 checkpoint loaded in fp32 computes in fp32."""
     cls = model_class(config)
     with meta_parameters():
         try:
-            model = cls._from_config(config)
+            model = cls._from_config(config, **({} if dtype is None else {"dtype": dtype}))
         except Exception as e:  # transformers raises many types for configs it cannot build
             raise UnsupportedModelError(f"cannot build {cls.__name__} from config.json: {e}") from e
     return model.eval()

@@ -71,7 +71,7 @@ def escha_skeleton(model_dir: str, dtype: torch.dtype | None) -> nn.Module:
     if dtype is None:
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = build_skeleton(config)
+    model = build_skeleton(config, dtype)
     install_escha_linears(model, qc["bits_map"], device="meta", dtype=dtype)
     return model
 

@@ -377,10 +377,10 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     model_dir, out_dir = os.fspath(model_dir), os.fspath(out_dir)
     reader = CheckpointReader(model_dir)
     config = _load_config(model_dir)
-    model = build_skeleton(config)
+    device, dtype = resolve_device(options.device), options.torch_dtype
+    model = build_skeleton(config, dtype)
     stack_name, stack = find_layer_stack(model, getattr(config, "num_hidden_layers", None))
     _warn_unmatched_skip(model, options)
-    device, dtype = resolve_device(options.device), options.torch_dtype
     names = list(model.state_dict().keys())
     buffers = {n for n, _ in model.named_buffers()}
     in_stack = lambda n: n.startswith(stack_name + ".")  # noqa: E731
