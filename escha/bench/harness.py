@@ -28,6 +28,8 @@ class Timer(Protocol):
 
 
 class Gate(str, Enum):
+    """A candidate's accuracy gate against the fp64 reference: within its tolerance, or not."""
+
     PASS = "pass"
     FAIL = "fail"
 

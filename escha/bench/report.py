@@ -113,6 +113,7 @@ def validate_results(doc: Any) -> list[str]:
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as JSON (NaN and infinities refused: a result file must be valid JSON)."""
     path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
 
 

@@ -25,6 +25,7 @@ COPY_FILES = (
 
 
 def shard_name(i: int, n: int) -> str:
+    """transformers' name for shard i (1-based) of n."""
     return f"model-{i:05d}-of-{n:05d}.safetensors"
 
 
