@@ -19,7 +19,8 @@
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
 # PHASE "e2e":     one layer's input side (bench_shared.py: separate, shared, folded norms, bf16),
 #                  then end-to-end decode, Qwen3-14B-shaped: bf16, escha (q/k/v and gate/up as one
-#                  product each, norms folded) and escha-unshared, with a profiled step per batch.
+#                  product each, norms folded) and escha-unshared, with a profiled step per batch;
+#                  then bf16 and escha under torch.compile(mode="reduce-overhead").
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
@@ -99,9 +100,11 @@ case "$phase" in
     step splitk_wgmma 150 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
     ;;
   e2e)
-    step shared 200 python benchmarks/bench_shared.py --out "$out/shared"
-    step e2e 500 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
+    step shared 120 python benchmarks/bench_shared.py --out "$out/shared"
+    step e2e 240 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
       --out "$out/e2e_h200.json"
+    step e2e_compile 220 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
+      --out "$out/e2e_compile_h200.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \

@@ -190,6 +190,68 @@ def test_quantized_model_groups_qkv_and_gate_up(tmp_path):
     torch.testing.assert_close(grouped, alone, rtol=1e-4, atol=1e-4)
 
 
+# -- torch.compile ----------------------------------------------------------------------------------------
+def _compiled_ops(fn, *args, fullgraph=True):
+    """fn compiled (no code generation: the graphs run as traced) and called: its result, and
+    the escha::matmul calls in each graph Dynamo made."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(sum(1 for n in gm.graph.nodes if "escha" in str(n.target)))
+        return gm.forward
+
+    return torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args), counts
+
+
+def test_group_runs_one_product_under_torch_compile(members):
+    """Traced code keeps the grouping: one product in one graph, equal to the eager members'.
+    Moved members (new buffer tensors) run alone in traced code, which cannot restack; the next
+    eager call restacks."""
+    block = Block(members)
+    share_inputs(block)
+    set_matmul_path(block, "reference")
+    x = torch.randn(3, IN)
+
+    def qkv(x):
+        return block.q(x), block.k(x), block.v(x)
+
+    want = qkv(x)
+    got, counts = _compiled_ops(qkv, x)
+    assert counts == [1] and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not block.q._shared.diverged and block.q._shared._pending == set()
+    block.k._buffers["trellis"] = block.k._buffers["trellis"].clone()  # what a move does to a buffer
+    assert block.k.qweight.trellis is block.k._buffers["trellis"]  # k's own weight, rebuilt eagerly
+    # (q and v keep the weights the stacking gave them: views of the stack)
+    got, counts = _compiled_ops(qkv, x)
+    assert counts == [3]
+    for a, b in zip(got, want):
+        close(a, b)  # alone: other fp32 sums than the stacked product's
+    assert _matmul_calls(lambda: qkv(x)) == 1  # eager: restacked, one product again
+
+
+def test_compiled_model_keeps_groups_and_folded_head_norms(tmp_path):
+    """A Qwen3 with 128-wide heads, grouped and folded: compiled whole (one graph), four products
+    a layer, head norms built in the graph, logits equal to the eager model's."""
+    from escha.model import QuantizeOptions, load_model, quantize_model
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=128, vocab_size=256, max_position_embeddings=128)
+    transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(tmp_path / "src")
+    quantize_model(str(tmp_path / "src"), str(tmp_path / "q"),
+                   QuantizeOptions(bits=2, encoder="greedy", use_hessian=False, seq_len=32, progress=False))
+    model = load_model(str(tmp_path / "q"), device="cpu")
+    assert model.model.layers[0].self_attn.q_proj.head_norm is not None
+    set_matmul_path(model, "reference")
+    ids = torch.tensor([[3, 17, 99, 42, 7]])
+    with torch.no_grad():
+        want = model(ids).logits
+        got, counts = _compiled_ops(lambda i: model(i).logits, ids, fullgraph=False)
+    assert counts == [2 * 4]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # -- GPU: the kernels, eager and in a CUDA graph ---------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -92,14 +92,17 @@ class EschaLinear(nn.Module):
         for name, t in qw.tensors().items():
             self._buffers[name] = t
         self.bits, self.codebook_id = qw.bits, qw.codebook_id
-        self._cache_key, self._cache = None, None
+        self._cache_key, self._cache = self._weight_key(), qw  # qw is the weight over these buffers
+
+    def _weight_key(self) -> tuple:
+        return tuple(id(self._buffers[n]) for n in TENSOR_NAMES) + (self.bits, self.codebook_id)
 
     # -- the weight ---------------------------------------------------------------------
     @property
     def qweight(self) -> QuantizedWeight:
         """The QuantizedWeight over the current buffers (validated once per buffer change)."""
         bufs = tuple(self._buffers[n] for n in TENSOR_NAMES)
-        key = tuple(id(t) for t in bufs) + (self.bits, self.codebook_id)
+        key = self._weight_key()
         if key != self._cache_key or self._cache is None:
             self._cache = QuantizedWeight(*bufs, shape=(self.out_features, self.in_features),
                                           bits=self.bits, codebook_id=self.codebook_id)
@@ -183,7 +186,9 @@ def capturing() -> bool:
 
 def write_count(t: torch.Tensor) -> int | None:
     """The tensor's in-place write counter (inference tensors keep none)."""
-    return None if t.is_inference() else t._version
+    if torch.compiler.is_compiling() or t.is_inference():
+        return None  # traced code keeps no counter (a compiled step writes no member input in place)
+    return t._version
 
 
 class HeadNormCache:
@@ -203,6 +208,9 @@ class HeadNormCache:
 
     def get(self, layers: list) -> HeadNorm | None:
         norms = [m._output_norm for m in layers]
+        if torch.compiler.is_compiling():
+            # Traced code cannot key on storage: it builds the norm in the graph (a few small ops).
+            return None if all(n is None for n in norms) else _head_norm(layers, norms)
         key = tuple(None if n is None else (id(n.weight), n.weight.data_ptr(), n.weight.dtype, write_count(n.weight))
                     for n in norms)
         if key == self._key:

@@ -12,8 +12,9 @@ once.
 The product is reused only by members called with the very tensor it was computed from (same
 object, unmodified), before every member has taken its rows; a member called with another input
 while others still wait means the members do not share their input after all, and the group
-stops sharing for good (each member then runs alone, as an EschaLinear does). Under
-``torch.compile`` each member runs alone.
+stops sharing for good (each member then runs alone, as an EschaLinear does). Traced code
+(``torch.compile``) keeps the grouping with the stack the last eager call built: it cannot
+restack, so members moved since then run alone there until an eager call restacks them.
 """
 from __future__ import annotations
 
@@ -47,19 +48,18 @@ class SharedInput:
         for i, m in enumerate(self.members):
             m._shared, m._shared_index = self, i
 
-    def _buffer_key(self) -> tuple:
+    def _buffer_key(self, versions: bool = True) -> tuple:
         # Identity and version of every member buffer: a move (.to) or an in-place load changes it.
-        return tuple((id(t), write_count(t)) for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
+        return tuple((id(t), write_count(t) if versions else None)
+                     for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
 
     def _build(self) -> None:
         """Stack the members' weights; each member then holds views of the stack."""
         merged = concat_rows([m.qweight for m in self.members])
         for m, part in zip(self.members, split_rows(merged, [m.out_features for m in self.members])):
-            for name, t in part.tensors().items():
-                m._buffers[name] = t
-            m._cache_key, m._cache = None, None
+            m.set_qweight(part)  # its buffers become views of the stack; part is its weight
         self._merged = merged
-        self._key = self._buffer_key()
+        self._key, self._key_ids = self._buffer_key(), self._buffer_key(versions=False)
 
     def merged(self):
         """The stacked QuantizedWeight, rebuilt if a member's buffers were moved or rewritten."""
@@ -69,7 +69,7 @@ class SharedInput:
 
     def product(self, member: EschaLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s x @ W^T (no bias) taken from the shared product, or None when it must run alone."""
-        if self.diverged or torch.compiler.is_compiling():
+        if self.diverged:
             return None
         settings = {(m.path, m.precision, id(m._input_norm)) for m in self.members}
         eps = {m._output_norm.variance_epsilon for m in self.members if m._output_norm is not None}
@@ -81,13 +81,20 @@ class SharedInput:
             self._stop()  # another input while members still wait for this one: no shared input
             return None
         if not same or i not in self._pending:
-            if self._buffer_key() != self._key and capturing():
-                return None  # restacking copies the weights: never inside a CUDA graph being captured
-            try:
-                qw = self.merged()
-            except ShardError:
-                self._stop()  # the members' weights were replaced by ones not quantized together
-                return None
+            if torch.compiler.is_compiling():
+                # Traced code cannot restack: it takes the stack as the last eager call left it,
+                # while the members still hold the buffers it was built from.
+                if self._buffer_key(versions=False) != self._key_ids:
+                    return None
+                qw = self._merged
+            else:
+                if self._buffer_key() != self._key and capturing():
+                    return None  # restacking copies the weights: never inside a CUDA graph being captured
+                try:
+                    qw = self.merged()
+                except ShardError:
+                    self._stop()  # the members' weights were replaced by ones not quantized together
+                    return None
             self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm,
                                   self._head_norms.get(self.members))
             self._x, self._x_version = x, write_count(x)
