@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 import torch
 
 from escha.format import QuantizedWeight, dequantize, random_qweight
+from escha.bench.method import round_order
 from escha.bench.report import git_sha
 from escha.kernels import CodecPath, decode, decode_config
 from escha.kernels._bench import Ablation, decode_ablated, decode_kernel_handle
@@ -92,9 +93,11 @@ def time_graph(g: torch.cuda.CUDAGraph, calls: int) -> float:
 def interleaved(arms: dict, rounds: int) -> dict:
     """arms: name -> (graph, calls). Median over rounds of per-call microseconds."""
     res = {k: [] for k in arms}
-    for _ in range(rounds):
-        for k, (g, c) in arms.items():
-            res[k].append(time_graph(g, c))
+    names = list(arms)
+    for r in range(rounds):
+        for i in round_order(len(names), r):  # no arm always after the same one
+            g, c = arms[names[i]]
+            res[names[i]].append(time_graph(g, c))
     return {k: statistics.median(v) for k, v in res.items()}
 
 

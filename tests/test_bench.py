@@ -101,18 +101,26 @@ def measure(arms, rounds=5, l2=0, shape=SMALL, M=4):
 
 
 # -- the method ------------------------------------------------------------------------------
-def test_round_order_rotates():
-    assert round_order(3, 0) == [0, 1, 2]
-    assert round_order(3, 1) == [1, 2, 0]
-    assert round_order(3, 2) == [2, 0, 1]
-    assert round_order(3, 4) == [1, 2, 0]
+@pytest.mark.parametrize("n", range(1, 10))
+def test_round_order_is_balanced_for_carry_over(n):
+    """Over a period (n rounds, 2n for odd n) every arm takes every position equally often and
+    follows every other arm equally often."""
+    period = n if n % 2 == 0 else 2 * n
+    rows = [round_order(n, r) for r in range(period)]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    assert round_order(n, period + 1) == rows[1 % period]
+    for pos in range(n):
+        assert len({sum(1 for row in rows if row[pos] == a) for a in range(n)}) == 1
+    pairs = [(row[i], row[i + 1]) for row in rows for i in range(n - 1)]
+    if n > 1:
+        assert {pairs.count((a, b)) for a in range(n) for b in range(n) if a != b} == {period // n}
     assert round_order(0, 3) == []
 
 
 def test_interleaving_order_across_rounds():
     arms = [FakeArm("a"), FakeArm("b"), FakeArm("c")]
     _, _, timer = measure(arms, rounds=5)
-    assert timer.order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c", "b", "c", "a"]
+    assert timer.order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "c", "b", "a", "a", "c", "b"]
 
 
 def test_rotation_buffer_counts():
