@@ -415,7 +415,8 @@ def config_with_split(qw: QuantizedWeight, m: int, split: int | None,
             # 4 programs per SM (the early start's grid), that many.
             split = min(8, max(2, round(SPLIT_TARGET_PROGRAMS / row_programs)))
             reach = triton.cdiv(4 * sms, row_programs)
-            split = max(split, reach) if reach <= 4 else split
+            if reach <= 4:
+                split = max(split, reach)
         else:
             split = 3
         split = max(1, min(split, kp // BLOCK_K // 2))
@@ -433,10 +434,9 @@ def config_with_split(qw: QuantizedWeight, m: int, split: int | None,
 def preferred_over_portable(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> bool:
     """Whether the dispatcher's decode range should run this kernel rather than the portable
     one (decode.py) for M rows: wherever this kernel's rule starts its GEMM early, and at 32 or
-    more tokens. At 9..16 tokens with a late start the two measured within 8% either way, the
-    portable kernel ahead on Llama-3-8B's down and behind on Qwen3-14B's (note at the end of
-    this module); at 32..64 tokens, since the split refit, this kernel measured faster at every
-    point of the dense sweep on both seed shapes (benchmarks/results/sweep_h200/)."""
+    more tokens. At 9..16 tokens with a late start the two measured within 11% either way, shape
+    by shape (note at the end of this module); at 32..64 tokens, since the split refit, this
+    kernel measured faster at every point of the dense sweep on both seed shapes."""
     cfg = decode_wgmma_config(qw, m, device)
     return cfg.early_start or cfg.block_tokens >= 32
 
@@ -515,6 +515,20 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
 #     at every point (gate_up M=8 44.4 / 51.2, down M=1 27.4 / 31.8, down 8B M=1 36.4 / 38.5);
 #   started late:  down M=16 31.8 / 33.2, M=40 47.0 / 44.6, M=64 50.8 / 50.3;
 #                  qkv 8B M=16 22.8 / 22.7, M=64 30.8 / 30.3; down 8B M=16 43.1 / 39.9, M=64 59.6 / 54.7.
-# Hence preferred_over_portable: this kernel where it starts early, the portable one where it
-# starts late. Worst loss against the faster of the two: 4.4% (down M=16), against 9.0% (down 8B
-# M=64) when this kernel took the whole range. Not yet timed through escha.matmul with this rule.
+# Hence, at first, preferred_over_portable: this kernel where it starts early, the portable one
+# where it starts late (worst loss 4.4%, against 9.0% when this kernel took the whole range).
+# Split refit at 32..64 tokens (benchmarks/fit_splitk.py --kernel decode-wgmma,
+# benchmarks/results/splitk_wgmma_h200.json: Qwen3-14B's projections at TP 1, 2, 4, M = 1, 16, 64,
+# splits 1..8 each with the start the rule gives its grid): the fixed 4 slices lost up to 22.7%
+# (down 5120x17408 M=64: 88.8 against 72.4 at 6); one slice was the slowest split at all 36
+# points. The best single program-count target was 231 (SPLIT_TARGET_PROGRAMS), 2..8 slices;
+# taking instead the slices (at most 4) that reach 4 programs per SM, where they exist, keeps
+# the early start on large grids (17408 rows M=64: 69.7 at 4 against 74.8 at 2). Worst loss on
+# the table 5.3%, mean 1.1% (--refit recomputes it). At 8..16 tokens the fixed 6 stays (worst
+# 7.9%; the best target fits worse, 9.5%).
+# After the refit (benchmarks/results/sweep_h200/, escha bench at 89423e7, and
+# decode_families_h200/ at 0564ae4), µs, this kernel / portable: down M=24 32.9 / 36.0, M=32
+# 33.8 / 36.9, M=48 42.5 / 44.6, M=64 44.1 / 49.7; 8B down M=32 43.8 / 44.6, 8B gate/up M=32
+# 62.5 / 74.2, Qwen3-14B o M=32 24.6 / 28.8; the portable kernel ahead at 32+ tokens only at 8B
+# down M=64 (58.3 / 53.8). At 16 tokens, late start, either way: 8B down 42.2 / 39.5, o 23.4 / 25.9.
+# Hence preferred_over_portable now also takes this kernel at 32 tokens and more.

@@ -194,7 +194,8 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
                 quant.check_weight(w, f"{n}.weight")
             except ValueError as e:
                 raise ModelError(str(e)) from None
-        h = hessians.hessian(names[0])
+        hs = [hessians.hessian(n) for n in names]  # each member's, once for every candidate K
+        h = hs[0]
         group = [LinearStats(n, layer, tuple(w.shape), hessian="used" if options.use_hessian else "off",
                              shared_input=names[0]) for n, w in zip(names, ws)]
         for n in names:
@@ -206,8 +207,8 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
             kwargs = dict(bits=k, hessian=h if options.use_hessian else None, seed=seed,
                           progress=_advance(progress), **encoder)
             parts = quant.quantize_shared(ws, **kwargs) if len(ws) > 1 else [quant.quantize(ws[0], **kwargs)]
-            for n, w, qw, st in zip(names, ws, parts, group):
-                st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = measure(w, qw, hessians.hessian(n))
+            for n, w, qw, st, hn in zip(names, ws, parts, group, hs):
+                st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = measure(w, qw, hn)
                 st.storage_bpw[k] = qw.bits_per_weight
                 qws[n][k] = qw
         seconds = time.perf_counter() - t0
