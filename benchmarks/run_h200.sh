@@ -4,8 +4,9 @@
 #   ESCHA_GIT_SHA=<commit> benchmarks/run_h200.sh PHASE OUT_DIR   (e.g. OUT_DIR=/tmp/check)
 # Each phase is one call of at most 10 minutes.
 # PHASE "kernels": decode and prefill benchmarks, compute-sanitizer memcheck on the full grid.
-# PHASE "check":   GPU tests, compute-sanitizer memcheck and racecheck on the reduced grid, and
-#                  one layer's input side (bench_shared.py): one call of at most 10 minutes.
+# PHASE "check":   GPU tests, the prefill benchmark (bench_prefill.py: dequantize-once's parts and
+#                  variants), compute-sanitizer memcheck and racecheck on the reduced grid: one
+#                  call of at most 10 minutes.
 # PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
 #                  tunes itself at each point, about 40 s a point.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
@@ -53,8 +54,8 @@ case "$phase" in
     ;;
   check)
     step gpu_tests 270 python -m pytest -q -m gpu tests
+    step prefill 100 python benchmarks/bench_prefill.py --out "$out/prefill"
     step sanitizer 170 env ESCHA_SANITIZER_GRID=small benchmarks/run_sanitizer.sh "$out/sanitizer_small_h200.txt"
-    step shared 120 python benchmarks/bench_shared.py --out "$out/shared"
     ;;
   system)
     ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4

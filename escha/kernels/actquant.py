@@ -1,7 +1,8 @@
 """Activation side of every prefill path: x -> x' = Hk (sv * pad(x)), optionally quantized to fp8.
 
 Each program does the padding, the input signs and the 128-point block Hadamard transform (as a
-tensor-core product with the exact +-1 Sylvester matrix) of one [BM, 128] block; the grid covers
+tensor-core product with the exact +-1 Sylvester matrix, loaded from a cached device tensor: see
+``common.hadamard_matrix``) of one [BM, 128] block; the grid covers
 (row blocks) x (k blocks). The fp8 variant needs a per-token absmax over the whole row, so it
 runs two launches: pass 1 writes each block's per-row absmax to a small scratch [M, Kp/128];
 pass 2 reduces a row's partials to its scale, recomputes its block's transform (x is read twice,
@@ -17,8 +18,8 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_pm1,
-                     round_to, workspace)
+from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_operand,
+                     load_hadamard, round_to, workspace)
 
 
 @triton.jit
@@ -35,7 +36,7 @@ def _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTY
 
 
 @triton.jit
-def absmax_kernel(x_ptr, sv_ptr, part_ptr, M, K, stride_xm, NKB: tl.constexpr, BM: tl.constexpr,
+def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, NKB: tl.constexpr, BM: tl.constexpr,
                   R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Pass 1: part[m, kb] = max |x'[m, kb*HB : +HB]| for rows [pid_m*R*BM, +R*BM) (R blocks of
     BM, which share one build of H) and k block pid_k.
@@ -45,7 +46,7 @@ def absmax_kernel(x_ptr, sv_ptr, part_ptr, M, K, stride_xm, NKB: tl.constexpr, B
     """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    h = hadamard_pm1(HB, DOT_DTYPE)
+    h = load_hadamard(h_ptr)
     for i in range(R):
         rows = (pid_m * R + i) * BM + tl.arange(0, BM)
         row_ok = rows < M
@@ -56,7 +57,7 @@ def absmax_kernel(x_ptr, sv_ptr, part_ptr, M, K, stride_xm, NKB: tl.constexpr, B
 
 
 @triton.jit
-def quantize_kernel(x_ptr, sv_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om,
+def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om,
                     NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
                     HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Pass 2: reduce the row's NKB partial maxima to its scale, recompute x'[rows, k block] and
@@ -64,7 +65,7 @@ def quantize_kernel(x_ptr, sv_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_x
     (max is exact and order-free); the k-block-0 program stores it."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    h = hadamard_pm1(HB, DOT_DTYPE)
+    h = load_hadamard(h_ptr)
     j = tl.arange(0, NKB_P2)
     cols = pid_k * HB + tl.arange(0, HB)
     for i in range(R):
@@ -88,12 +89,12 @@ def quantize_kernel(x_ptr, sv_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_x
 
 
 @triton.jit
-def transform_bf16_kernel(x_ptr, sv_ptr, out_ptr, M, K, stride_xm, stride_om, BM: tl.constexpr,
+def transform_bf16_kernel(x_ptr, sv_ptr, h_ptr, out_ptr, M, K, stride_xm, stride_om, BM: tl.constexpr,
                           R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """bf16 path, one pass: out[rows, k block] = bf16(x' / sqrt(128)) for R row blocks and k block pid_k."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    h = hadamard_pm1(HB, DOT_DTYPE)
+    h = load_hadamard(h_ptr)
     cols = pid_k * HB + tl.arange(0, HB)
     for i in range(R):
         rows = (pid_m * R + i) * BM + tl.arange(0, BM)
@@ -116,9 +117,9 @@ class ActQuantConfig:
     num_stages: int  # with R > 1, the next row block's x loads overlap this block's math
 
 
-# Each program rebuilds the [128, 128] +-1 matrix from indices (~10 integer ops per entry, 128
-# entries a thread at 4 warps against 64 loaded activations), so at large M sharing it over R row
-# blocks saves that work, as long as the grid still fills the GPU with MIN_PROGRAMS programs.
+# Each program loads the [128, 128] +-1 matrix (32 KB in fp16/bf16, from L2 after the first
+# program: as many bytes as a [128, 128] activation block), so at large M sharing it over R row
+# blocks saves those reads, as long as the grid still fills the GPU with MIN_PROGRAMS programs.
 MIN_PROGRAMS = 1024
 MAX_ROWS_PER_PROG = 8
 
@@ -161,31 +162,43 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     """
     check_operands(x, qw, "actquant")
     x2d = x.reshape(-1, x.shape[-1])
+    out, xscale = actquant_outputs(x2d, qw, fp8)
+    launch_actquant(x2d, qw, out, xscale, config or actquant_config(qw, x2d.shape[0], x.device))
+    return out, xscale
+
+
+def actquant_outputs(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """New (x' [M, Kp], xscale [M] or None) tensors for ``launch_actquant`` of x2d [M, in]."""
+    m, kp = x2d.shape[0], qw.padded_shape[1]
+    out = torch.empty((m, kp), device=x2d.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
+    return out, torch.empty((m,), device=x2d.device, dtype=torch.float32) if fp8 else None
+
+
+def launch_actquant(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor, xscale: torch.Tensor | None,
+                    cfg: ActQuantConfig) -> None:
+    """Fill ``actquant_outputs``'s tensors from checked x2d [M, in] (e4m3 when xscale is given,
+    else bf16) on the current stream; its only scratch is keyed by that stream."""
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     m, k = x2d.shape
-    kp = qw.padded_shape[1]
-    cfg = config or actquant_config(qw, m, x.device)
-    out = torch.empty((m, kp), device=x.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
-    xscale = torch.empty((m,), device=x.device, dtype=torch.float32) if fp8 else None
     if m == 0:
-        return out, xscale
-    nkb = kp // HAD_BLOCK
+        return
+    nkb = qw.padded_shape[1] // HAD_BLOCK
     r = cfg.rows_per_prog
     grid = (triton.cdiv(m, cfg.block_m * r), nkb)
     ddt = dot_dtype(x2d.dtype)
+    h = hadamard_operand(x2d.device, ddt)
     launch = dict(BM=cfg.block_m, R=r, HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
-    if not fp8:
-        transform_bf16_kernel[grid](x2d, qw.sv, out, m, k, x2d.stride(0), out.stride(0), **launch)
-        return out, None
-    part = partial_amax_workspace(x.device, m, nkb)
+    if xscale is None:
+        transform_bf16_kernel[grid](x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0), **launch)
+        return
+    part = partial_amax_workspace(x2d.device, m, nkb)
     # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
     # per model) and a constant-size reduction in pass 2.
-    absmax_kernel[grid](x2d, qw.sv, part, m, k, x2d.stride(0), NKB=nkb, **launch)
-    quantize_kernel[grid](x2d, qw.sv, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
+    absmax_kernel[grid](x2d, qw.sv, h, part, m, k, x2d.stride(0), NKB=nkb, **launch)
+    quantize_kernel[grid](x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
                           NKB=nkb, NKB_P2=triton.next_power_of_2(nkb), **launch)
-    return out, xscale
 
 # Configuration note. The grid is (row blocks) x (128-wide k blocks): at M=512, K=5120 that is
 # 8 x 40 = 320 programs per pass (the previous one-program-per-32-rows kernel had 16 and walked
@@ -196,5 +209,6 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
 # (a second read of x, usually from L2, instead of a write and read of an fp32/bf16 copy) and
 # stores e4m3. No atomics: max over the partials is exact and order-free, so the result is
 # bitwise identical run to run. BM=64 at 4 warps holds one [64, 128] fp32 block (64 values a
-# thread); the [128, 128] +-1 matrix is rebuilt per program from indices (integer ops only).
-# New timings are to be measured (benchmarks/bench_prefill.py, arm part-actquant).
+# thread). The [128, 128] +-1 matrix was first rebuilt per program from indices: about ten
+# integer ops per entry, 128 entries a thread at 4 warps against 64 activations, the same cost
+# the decode's transform kernels measured as their largest (docs/KERNELS.md); it is now loaded.

@@ -161,6 +161,30 @@ def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) 
     return buf
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """A second, high-priority stream on a CUDA device, for short work that overlaps a long kernel
+    on the current stream (dequantize-once forks its activation pass onto it); one per device,
+    created on first use. None off CUDA, under the interpreter, and during CUDA-graph capture
+    before one exists (no stream is created while capturing): callers then run serially.
+
+    A stream-keyed workspace (``workspace``) used only on this stream stays safe however many
+    streams fork onto it: the side stream runs its own kernels in order.
+    """
+    if device.type != "cuda" or interpreted():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        stream = torch.cuda.Stream(index, priority=-1)
+        _SIDE_STREAMS[index] = stream
+    return stream
+
+
 # -- Shared device functions --------------------------------------------------------------------
 @triton.jit
 def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
@@ -178,19 +202,21 @@ def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
     return (1 - 2 * (a & 1)).to(dtype)
 
 
-_HADAMARD: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+_HADAMARD: dict[tuple[str, torch.dtype, float], torch.Tensor] = {}
 
 
-def hadamard_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The unnormalized [128, 128] Sylvester matrix (+-1, exact in any float dtype) on ``device``,
-    built once per (device, dtype) with device ops only (no host copy, so a first call may even
-    happen inside CUDA-graph capture). Small kernels load it (``load_hadamard``) instead of
-    rebuilding it from indices per program: about ten integer ops per entry, measured as the
-    largest cost of the decode's transform kernels (docs/KERNELS.md)."""
-    key = (str(device), dtype)
+def hadamard_matrix(device: torch.device, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """The unnormalized [128, 128] Sylvester matrix (+-1, exact in any float dtype) times ``scale``
+    (a power of two, so still exact) on ``device``, built once per (device, dtype, scale) with device
+    ops only (no host copy, so a first call may even happen inside CUDA-graph capture). Kernels load
+    it (``load_hadamard``) instead of rebuilding it from indices per program: about ten integer ops
+    per entry, measured as the largest cost of the decode's transform kernels (docs/KERNELS.md)."""
+    if scale <= 0 or math.frexp(scale)[0] != 0.5:
+        raise ValueError(f"scale must be a positive power of two (exact), got {scale}")
+    key = (str(device), dtype, scale)
     h = _HADAMARD.get(key)
     if h is None:
-        h = sylvester_pm1(HAD_BLOCK, device, dtype).contiguous()
+        h = (sylvester_pm1(HAD_BLOCK, device, dtype) * scale).contiguous()
         _HADAMARD[key] = h
     return h
 
@@ -198,9 +224,9 @@ def hadamard_matrix(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 _TORCH_DTYPES = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
 
 
-def hadamard_operand(device: torch.device, dtype: tl.dtype) -> torch.Tensor:
+def hadamard_operand(device: torch.device, dtype: tl.dtype, scale: float = 1.0) -> torch.Tensor:
     """``hadamard_matrix`` in the torch dtype of the Triton dtype ``dtype`` (a dot operand)."""
-    return hadamard_matrix(device, _TORCH_DTYPES[dtype])
+    return hadamard_matrix(device, _TORCH_DTYPES[dtype], scale)
 
 
 @triton.jit

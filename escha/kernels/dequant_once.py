@@ -25,14 +25,14 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
-from .actquant import actquant
+from .actquant import actquant_config, actquant_outputs, launch_actquant
 from .codec import CodecPath, codec_path, decode_block
 from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
-                     hadamard_pm1, round_to, row_scale_block, workspace)
+                     hadamard_operand, load_hadamard, round_to, row_scale_block, side_stream, workspace)
 
 
 @triton.jit
-def dequant_hn_kernel(tr_ptr, su_ptr, scale_ptr, gscale_ptr, w_ptr, wscale_ptr, stride_w, Np,
+def dequant_hn_kernel(tr_ptr, su_ptr, scale_ptr, gscale_ptr, h_ptr, w_ptr, wscale_ptr, stride_w, Np,
                       KT: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr, K_PER_PROG: tl.constexpr,
                       OUT_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PTX: tl.constexpr):
     """Rows [pid_n*128, +128) and k blocks [pid_k*K_PER_PROG, +K_PER_PROG) of the scratch (the
@@ -40,25 +40,28 @@ def dequant_hn_kernel(tr_ptr, su_ptr, scale_ptr, gscale_ptr, w_ptr, wscale_ptr, 
     BN: tl.constexpr = 128
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    h = hadamard_pm1(BN, DOT_DTYPE)  # built once per program, reused over K_PER_PROG blocks
+    # HN_FP8_SCALE * H, loaded once per program (an L2 hit) and reused over K_PER_PROG blocks: the
+    # e4m3 scale rides in the +-1 matrix (a power of two: exact), not in a multiply per weight.
+    h = load_hadamard(h_ptr)
     rows = pid_n * BN + tl.arange(0, BN)
-    r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, rows, rows < Np) * INV_SQRT_HAD
+    r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, rows, rows < Np) * (INV_SQRT_HAD / HN_FP8_SCALE)
     if OUT_FP8:
         if pid_k == 0:
-            tl.store(wscale_ptr + rows, r / HN_FP8_SCALE)
+            tl.store(wscale_ptr + rows, r)
     row_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + tl.arange(0, BK)[None, :]
     for i in range(K_PER_PROG):
         kb = pid_k * K_PER_PROG + i
         # Row-broadcast decode: each tile row's words are loaded once and expanded over its 16
         # columns in registers (codec.decode_block), not gathered per weight.
         t = decode_block(tr_ptr, pid_n * (BN // 16), kb * (BK // 16), KT, BITS, BN, BK // 16, USE_PTX)
-        # fp16 operands (exact: +-1 and 3INST values), fp32 accumulation: every partial sum is a
-        # multiple of 2**-13 below 2**10, so the product is exact and independent of its order.
+        # fp16 operands (exact: +-1/2 and 3INST values), fp32 accumulation: every partial sum is a
+        # multiple of 2**-14 below 2**9, so the product is exact and independent of its order.
         v = tl.dot(h, t.to(DOT_DTYPE))
         ptrs = row_ptrs + kb * BK
         if OUT_FP8:
-            tl.store(ptrs, round_to(v * HN_FP8_SCALE, tl.float8e4nv))
+            tl.store(ptrs, round_to(v, tl.float8e4nv))
         else:
+            # (HN_FP8_SCALE * Hn T) * (r / HN_FP8_SCALE) rounds exactly as (Hn T) * r: powers of two.
             tl.store(ptrs, round_to(v * r[:, None], tl.bfloat16))
 
 
@@ -107,9 +110,11 @@ def dequant_hn(qw: QuantizedWeight, *, fp8: bool = True, config: DequantOnceConf
     kb_total = kp // cfg.block_k
     kpp = k_per_prog_for(kb_total, cfg.k_per_prog)
     grid = (np_ // HAD_BLOCK, kb_total // kpp)
-    dequant_hn_kernel[grid](qw.trellis, qw.su, qw.scale, qw.gscale, w, ws if fp8 else w, w.stride(0), np_,
+    ddt = dot_dtype(torch.float16)
+    h = hadamard_operand(dev, ddt, HN_FP8_SCALE.value)
+    dequant_hn_kernel[grid](qw.trellis, qw.su, qw.scale, qw.gscale, h, w, ws if fp8 else w, w.stride(0), np_,
                             KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8,
-                            DOT_DTYPE=dot_dtype(torch.float16), USE_PTX=cfg.codec == CodecPath.PTX,
+                            DOT_DTYPE=ddt, USE_PTX=cfg.codec == CodecPath.PTX,
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return w, ws
 
@@ -129,17 +134,33 @@ def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,
 
 def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantOnceConfig | None,
                   op: str) -> torch.Tensor:
-    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype."""
+    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype.
+
+    On CUDA the activation pass runs on ``common.side_stream`` while the dequantize kernel runs
+    on the caller's stream (they share no data; the GEMM waits for both). Its outputs are
+    allocated here, on the caller's stream, so the caching allocator never hands them to the side
+    stream's next allocation while the GEMM still reads them.
+    """
     check_operands(x, qw, op)
     x2d = x.reshape(-1, x.shape[-1])
     cfg = config or dequant_once_config(qw, x2d.shape[0], x.device)
-    w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
+    acfg = actquant_config(qw, x2d.shape[0], x.device)
+    xq, xscale = actquant_outputs(x2d, qw, fp8)
+    side = side_stream(x.device)
+    if side is None:
+        launch_actquant(x2d, qw, xq, xscale, acfg)
+        w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
+    else:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # the side stream starts after all the caller queued (x is ready)
+        with torch.cuda.stream(side):
+            launch_actquant(x2d, qw, xq, xscale, acfg)
+        w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
+        main.wait_stream(side)
     if fp8:
-        xq, xscale = actquant(x2d, qw)
         y = scaled_mm_rowwise(xq, w.t(), xscale, ws)
     else:
-        xb, _ = actquant(x2d, qw, fp8=False)
-        y = xb @ w.t()
+        y = xq @ w.t()
     if y.shape[1] != qw.out_features:
         y = y[:, :qw.out_features]
     # A fresh tensor in x's dtype (the scratch is never returned): .to copies when needed.
