@@ -112,34 +112,15 @@ class ActQuantConfig:
     """
 
     block_m: int  # rows per block (>= 16, the smallest tensor-core M)
-    rows_per_prog: int  # R: row blocks per program, which share one build of the +-1 matrix
+    rows_per_prog: int  # R: row blocks per program, which share one load of the +-1 matrix
     num_warps: int
     num_stages: int  # with R > 1, the next row block's x loads overlap this block's math
 
 
-# Each program loads the [128, 128] +-1 matrix (32 KB in fp16/bf16, from L2 after the first
-# program: as many bytes as a [128, 128] activation block), so at large M sharing it over R row
-# blocks saves those reads, as long as the grid still fills the GPU with MIN_PROGRAMS programs.
-MIN_PROGRAMS = 1024
-MAX_ROWS_PER_PROG = 8
-
-
-def rows_per_program(m: int, nkb: int, block_m: int, min_programs: int = MIN_PROGRAMS,
-                     max_rows: int = MAX_ROWS_PER_PROG) -> int:
-    """R for m rows and nkb k blocks: the largest power of two <= max_rows keeping the grid
-    >= min_programs programs (1 when even R = 1 falls short)."""
-    r = 1
-    while 2 * r <= max_rows and triton.cdiv(m, block_m * 2 * r) * nkb >= min_programs:
-        r *= 2
-    return r
-
-
 def actquant_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> ActQuantConfig:
-    """The rule: [64, 128] blocks at 4 warps, 2 stages, R from ``rows_per_program`` (the device
-    does not change the choice)."""
-    block_m = 64
-    return ActQuantConfig(block_m=block_m, rows_per_prog=rows_per_program(m, qw.padded_shape[1] // HAD_BLOCK, block_m),
-                          num_warps=4, num_stages=2)
+    """The rule: [64, 128] blocks, one a program (R = 1), 4 warps, 2 stages, at every M (the
+    note at the end of this file has the measurements; the device does not change the choice)."""
+    return ActQuantConfig(block_m=64, rows_per_prog=1, num_warps=4, num_stages=2)
 
 
 def partial_amax_workspace(device: torch.device, m: int, nkb: int) -> torch.Tensor:
@@ -162,43 +143,32 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     """
     check_operands(x, qw, "actquant")
     x2d = x.reshape(-1, x.shape[-1])
-    out, xscale = actquant_outputs(x2d, qw, fp8)
-    launch_actquant(x2d, qw, out, xscale, config or actquant_config(qw, x2d.shape[0], x.device))
-    return out, xscale
-
-
-def actquant_outputs(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """New (x' [M, Kp], xscale [M] or None) tensors for ``launch_actquant`` of x2d [M, in]."""
-    m, kp = x2d.shape[0], qw.padded_shape[1]
-    out = torch.empty((m, kp), device=x2d.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
-    return out, torch.empty((m,), device=x2d.device, dtype=torch.float32) if fp8 else None
-
-
-def launch_actquant(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor, xscale: torch.Tensor | None,
-                    cfg: ActQuantConfig) -> None:
-    """Fill ``actquant_outputs``'s tensors from checked x2d [M, in] (e4m3 when xscale is given,
-    else bf16) on the current stream; its only scratch is keyed by that stream."""
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     m, k = x2d.shape
+    kp = qw.padded_shape[1]
+    cfg = config or actquant_config(qw, m, x.device)
+    out = torch.empty((m, kp), device=x.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
+    xscale = torch.empty((m,), device=x.device, dtype=torch.float32) if fp8 else None
     if m == 0:
-        return
-    nkb = qw.padded_shape[1] // HAD_BLOCK
+        return out, xscale
+    nkb = kp // HAD_BLOCK
     r = cfg.rows_per_prog
     grid = (triton.cdiv(m, cfg.block_m * r), nkb)
     ddt = dot_dtype(x2d.dtype)
-    h = hadamard_operand(x2d.device, ddt)
+    h = hadamard_operand(x.device, ddt)
     launch = dict(BM=cfg.block_m, R=r, HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
-    if xscale is None:
+    if not fp8:
         transform_bf16_kernel[grid](x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0), **launch)
-        return
-    part = partial_amax_workspace(x2d.device, m, nkb)
+        return out, None
+    part = partial_amax_workspace(x.device, m, nkb)
     # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
     # per model) and a constant-size reduction in pass 2.
     absmax_kernel[grid](x2d, qw.sv, h, part, m, k, x2d.stride(0), NKB=nkb, **launch)
     quantize_kernel[grid](x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
                           NKB=nkb, NKB_P2=triton.next_power_of_2(nkb), **launch)
+    return out, xscale
 
 # Configuration note. The grid is (row blocks) x (128-wide k blocks): at M=512, K=5120 that is
 # 8 x 40 = 320 programs per pass (the previous one-program-per-32-rows kernel had 16 and walked
@@ -210,5 +180,10 @@ def launch_actquant(x2d: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor, x
 # stores e4m3. No atomics: max over the partials is exact and order-free, so the result is
 # bitwise identical run to run. BM=64 at 4 warps holds one [64, 128] fp32 block (64 values a
 # thread). The [128, 128] +-1 matrix was first rebuilt per program from indices: about ten
-# integer ops per entry, 128 entries a thread at 4 warps against 64 activations, the same cost
-# the decode's transform kernels measured as their largest (docs/KERNELS.md); it is now loaded.
+# integer ops per entry, 128 entries a thread at 4 warps against 64 activations, the cost the
+# decode's transform kernels measured as their largest (docs/KERNELS.md); it is now loaded
+# (32 KB, an L2 hit). That took pass 1 + pass 2 from 43.3 to 30.8 us at gate_up M=2048 and from
+# 150.7 to 124.3 us at M=8192 (H200, benchmarks/results/prefill_h200_v3.log). With the matrix
+# loaded, R = 1 is as fast or faster than the R > 1 the rule took before to share its build:
+# 124.3 against 136.1 us at gate_up M=8192, 195.3 against 243.4 at down M=8192 (R = 8);
+# [32, 128] blocks and [128, 128] at 8 warps are slower at every measured point.

@@ -161,30 +161,6 @@ def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) 
     return buf
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
-    """A second, high-priority stream on a CUDA device, for short work that overlaps a long kernel
-    on the current stream (dequantize-once forks its activation pass onto it); one per device,
-    created on first use. None off CUDA, under the interpreter, and during CUDA-graph capture
-    before one exists (no stream is created while capturing): callers then run serially.
-
-    A stream-keyed workspace (``workspace``) used only on this stream stays safe however many
-    streams fork onto it: the side stream runs its own kernels in order.
-    """
-    if device.type != "cuda" or interpreted():
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        stream = torch.cuda.Stream(index, priority=-1)
-        _SIDE_STREAMS[index] = stream
-    return stream
-
-
 # -- Shared device functions --------------------------------------------------------------------
 @triton.jit
 def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):

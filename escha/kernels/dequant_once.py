@@ -25,10 +25,10 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
-from .actquant import actquant_config, actquant_outputs, launch_actquant
+from .actquant import actquant
 from .codec import CodecPath, codec_path, decode_block
 from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
-                     hadamard_operand, load_hadamard, round_to, row_scale_block, side_stream, workspace)
+                     hadamard_operand, load_hadamard, round_to, row_scale_block, workspace)
 
 
 @triton.jit
@@ -78,8 +78,8 @@ class DequantOnceConfig:
 
 def dequant_once_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DequantOnceConfig:
     """The rule (measurements in the note at the end of this file): BK = 64, up to 8 k blocks a
-    program, 4 warps, 2 stages, the device's codec path. M does not change the choice."""
-    return DequantOnceConfig(k_per_prog=8, block_k=64, num_warps=4, num_stages=2,
+    program, 4 warps, 3 stages, the device's codec path. M does not change the choice."""
+    return DequantOnceConfig(k_per_prog=8, block_k=64, num_warps=4, num_stages=3,
                              codec=codec_path(device or qw.device))
 
 
@@ -134,33 +134,17 @@ def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,
 
 def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantOnceConfig | None,
                   op: str) -> torch.Tensor:
-    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype.
-
-    On CUDA the activation pass runs on ``common.side_stream`` while the dequantize kernel runs
-    on the caller's stream (they share no data; the GEMM waits for both). Its outputs are
-    allocated here, on the caller's stream, so the caching allocator never hands them to the side
-    stream's next allocation while the GEMM still reads them.
-    """
+    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype."""
     check_operands(x, qw, op)
     x2d = x.reshape(-1, x.shape[-1])
     cfg = config or dequant_once_config(qw, x2d.shape[0], x.device)
-    acfg = actquant_config(qw, x2d.shape[0], x.device)
-    xq, xscale = actquant_outputs(x2d, qw, fp8)
-    side = side_stream(x.device)
-    if side is None:
-        launch_actquant(x2d, qw, xq, xscale, acfg)
-        w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
-    else:
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)  # the side stream starts after all the caller queued (x is ready)
-        with torch.cuda.stream(side):
-            launch_actquant(x2d, qw, xq, xscale, acfg)
-        w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
-        main.wait_stream(side)
+    w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
     if fp8:
+        xq, xscale = actquant(x2d, qw)
         y = scaled_mm_rowwise(xq, w.t(), xscale, ws)
     else:
-        y = xq @ w.t()
+        xb, _ = actquant(x2d, qw, fp8=False)
+        y = xb @ w.t()
     if y.shape[1] != qw.out_features:
         y = y[:, :qw.out_features]
     # A fresh tensor in x's dtype (the scratch is never returned): .to copies when needed.
@@ -195,8 +179,14 @@ def dequant_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceCon
 # all with HGMMA.64xBKx16.F32 (fp16 wgmma) for Hn and LDGSTS for the words. Measured on the H200
 # (benchmarks/results/prefill_h200_v2.log, fp8 store, gate_up / down at M=2048): BK=64 8 warps
 # 117.4 / 64.1 us, BK=64 4 warps 97.1 / 54.1, BK=64 8 warps 3 stages 98.7 / 55.5, BK=128 8 warps
-# 148.8 / 81.4; the previous gather-based kernel 150 / 78. So 4 warps is the default; it is still
-# 3.5x the codec's integer floor (27.8 us for gate_up).
+# 148.8 / 81.4; the previous gather-based kernel 150 / 78. So 4 warps became the default.
+# Then the +-1 matrix was loaded instead of built per program (16K entries at ~10 integer ops
+# against 64K weights a program) and the e4m3 factor 1/2 moved into it (one FMUL a weight less;
+# 816 -> 768 SASS instructions per [128, 64] step offline, 128 registers): 97.1 -> 86.7 us on
+# gate_up, 54.1 -> 50.9 on down (M=2048, benchmarks/results/prefill_h200_v3.log). In that run
+# 3 stages beat 2 at every point (gate_up 76.6-76.9 us, down 43.1-43.6), and 8 warps, BK=128 and
+# 16 k blocks a program were slower, so 3 stages is the rule. That is still 2.8x the codec's
+# integer floor (27.8 us for gate_up).
 # Why not dequant.py's plain-T kernel: a scratch of T leaves the output Hadamard for a separate
 # pass over [M, N] (a bf16 read and write of the whole output); folding Hn into the scratch
 # lets the library GEMM's row-wise scale carry r = g*c*su and the GEMM output is y. Its fp8
