@@ -125,13 +125,19 @@ class Decoder:
         self.prompt = prompt
         self.graph = None
         self.mode = graphs
-        self.fn = self._step
+        # Under torch.compile only the forward is compiled: the token and position updates stay
+        # outside, since CUDA-graph trees skip a graph that mutates its inputs.
+        self.forward = self._forward
         if graphs == "compile":
-            self.fn = torch.compile(self._step, mode="reduce-overhead", fullgraph=False)
+            self.forward = torch.compile(self._forward, mode="reduce-overhead", fullgraph=False)
+        self.fn = self._step
+
+    def _forward(self):
+        out = self.model(input_ids=self.tok, position_ids=self.pos, cache=self.cache, use_cache=True)
+        return out.logits[:, -1].argmax(-1, keepdim=True)
 
     def _step(self):
-        out = self.model(input_ids=self.tok, position_ids=self.pos, cache=self.cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        nxt = self.forward()
         self.tok.copy_(nxt)
         self.pos.add_(1)
         return nxt

@@ -53,7 +53,7 @@ ACTQUANT_VARIANTS = {
     "bm64w4": dict(),
     "bm128w8": dict(block_m=128, num_warps=8),
     "bm64w4-r4": dict(rows_per_prog=4),
-    "bm64w4s3": dict(num_stages=3),
+    "bm64w4s2": dict(num_stages=2),
 }
 DEQUANT_VARIANTS = {  # the rule's choice is BK=64, 4 warps, 3 stages
     "bk64w4s3": dict(),

@@ -18,14 +18,15 @@
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
-# PHASE "e2e":     one layer's input side (bench_shared.py: separate, shared, folded norms, bf16),
-#                  then end-to-end decode, Qwen3-14B-shaped: bf16, escha (q/k/v and gate/up as one
-#                  product each, norms folded) and escha-unshared, with a profiled step per batch;
-#                  then bf16 and escha under torch.compile(mode="reduce-overhead").
+# PHASE "e2e":     the prefill benchmark (bench_prefill.py), then end-to-end decode, Qwen3-14B-
+#                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
+#                  escha-unshared, with a profiled step per batch.
+# PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"): compiling
+#                  the 40-layer model twice per arm took over 220 s, so it has a call of its own.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, system, system2, sweep, e2e, llm-stage, llm or tp}
+phase=${1:?phase: kernels, check, system, system2, sweep, e2e, compile, llm-stage, llm or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -101,10 +102,12 @@ case "$phase" in
     step splitk_wgmma 150 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
     ;;
   e2e)
-    step shared 120 python benchmarks/bench_shared.py --out "$out/shared"
+    step prefill 100 python benchmarks/bench_prefill.py --out "$out/prefill"
     step e2e 240 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
       --out "$out/e2e_h200.json"
-    step e2e_compile 220 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
+    ;;
+  compile)
+    step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
       --out "$out/e2e_compile_h200.json"
     ;;
   tp)

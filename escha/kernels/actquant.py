@@ -118,9 +118,9 @@ class ActQuantConfig:
 
 
 def actquant_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> ActQuantConfig:
-    """The rule: [64, 128] blocks, one a program (R = 1), 4 warps, 2 stages, at every M (the
+    """The rule: [64, 128] blocks, one a program (R = 1), 4 warps, 3 stages, at every M (the
     note at the end of this file has the measurements; the device does not change the choice)."""
-    return ActQuantConfig(block_m=64, rows_per_prog=1, num_warps=4, num_stages=2)
+    return ActQuantConfig(block_m=64, rows_per_prog=1, num_warps=4, num_stages=3)
 
 
 def partial_amax_workspace(device: torch.device, m: int, nkb: int) -> torch.Tensor:
@@ -186,4 +186,6 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
 # 150.7 to 124.3 us at M=8192 (H200, benchmarks/results/prefill_h200_v3.log). With the matrix
 # loaded, R = 1 is as fast or faster than the R > 1 the rule took before to share its build:
 # 124.3 against 136.1 us at gate_up M=8192, 195.3 against 243.4 at down M=8192 (R = 8);
-# [32, 128] blocks and [128, 128] at 8 warps are slower at every measured point.
+# [32, 128] blocks and [128, 128] at 8 warps are slower at every measured point. In the next run
+# (prefill_h200_v4.log) 3 stages took 106.2 against 132.9 us at gate_up M=8192 and 183.6 against
+# 227.1 at down M=8192, within 2% of 2 stages at M = 512 and 2048: 3 stages is the rule.
