@@ -7,6 +7,8 @@
 # PHASE "check":   GPU tests, the prefill benchmark (bench_prefill.py: dequantize-once's parts and
 #                  variants), compute-sanitizer memcheck and racecheck on the reduced grid: one
 #                  call of at most 10 minutes.
+# PHASE "suite":   the whole test suite on the GPU (pytest -m "not slow": every test whose tensors
+#                  go to CUDA when there is one, not only the gpu-marked ones "check" runs).
 # PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
 #                  tunes itself at each point, about 40 s a point.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
@@ -26,7 +28,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, system, system2, sweep, e2e, compile, llm-stage, llm or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, compile, llm-stage, llm or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -57,6 +59,9 @@ case "$phase" in
     step gpu_tests 270 python -m pytest -q -m gpu tests
     step prefill 100 python benchmarks/bench_prefill.py --out "$out/prefill"
     step sanitizer 170 env ESCHA_SANITIZER_GRID=small benchmarks/run_sanitizer.sh "$out/sanitizer_small_h200.txt"
+    ;;
+  suite)
+    step suite 560 python -m pytest -q -m "not slow" tests
     ;;
   system)
     ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4

@@ -31,8 +31,14 @@ def _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTY
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=ok, other=0.0)
     sv = tl.load(sv_ptr + cols).to(tl.float32)  # sv is [Kp]: always in bounds
     # Sign flips and the +-1 matrix are exact, and the cast back to x's own dtype (DOT_DTYPE on
-    # the GPU) is exact too; the dot accumulates in fp32.
-    return tl.dot((x.to(tl.float32) * sv[None, :]).to(DOT_DTYPE), h)
+    # the GPU) is exact too; the dot accumulates in fp32. fp32 operands take three TF32 passes:
+    # a plain fp32 dot is one TF32 pass on the GPU, which rounds x to 11 significant bits.
+    xs = x.to(tl.float32) * sv[None, :]
+    if DOT_DTYPE == tl.float32:
+        v = tl.dot(xs, h, input_precision="tf32x3")
+    else:
+        v = tl.dot(xs.to(DOT_DTYPE), h)
+    return v
 
 
 @triton.jit
