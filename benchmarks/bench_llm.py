@@ -267,11 +267,14 @@ class Bench:
         return q
 
     def escha_row(self, cfg: str, gen: bool) -> dict:
-        mode = ["--bpw", cfg[3:]] if cfg.startswith("bpw") else ["--bits", cfg[4:]]
+        base, seed = parse_config(cfg)
+        mode = ["--bpw", base[3:]] if base.startswith("bpw") else ["--bits", base[4:]]
+        if seed is not None:
+            mode += ["--seed", str(seed)]
         out = os.path.join(self.args.work, f"escha_{cfg}")
         q = self.quantize_cli(out, mode, self.calib_args())
         rep = q.pop("report")
-        row = {"method": f"escha {cfg}", "key": cfg, "stored_bpw": rep["storage_bpw"], "nominal_bpw": rep["mean_bits"],
+        row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else ""), "key": cfg, "seed": seed or 0, "stored_bpw": rep["storage_bpw"], "nominal_bpw": rep["mean_bits"],
                **q, "calibration": rep["calibration"], "hessian": rep["hessian"],
                "per_layer": [{k: r[k] for k in ("layer", "mean_bits", "storage_bpw", "proxy_rel", "weight_rel", "seconds")}
                              for r in rep["layers"]],
@@ -387,6 +390,32 @@ def _version(mod: str) -> str | None:
         return None
 
 
+def parse_config(cfg: str) -> tuple[str, int | None]:
+    """An escha configuration name: "bits2", "bits3", "bpw2.5", each with an optional "-sN" for
+    the sign seed N (default 0, escha quantize's): ("bits2", None), ("bits3", 2) for "bits3-s2"."""
+    base, sep, seed = cfg.partition("-s")
+    if not (base.startswith("bits") or base.startswith("bpw")) or (sep and not seed.isdigit()):
+        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN")
+    return base, int(seed) if sep else None
+
+
+def seed_spread(rows: list[dict]) -> list[dict]:
+    """Per escha configuration with rows at two or more sign seeds: the perplexities, their mean
+    and their range (what one quantization's random signs alone move)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("key", "").startswith(("bits", "bpw")) and r.get("perplexity") is not None:
+            groups.setdefault(parse_config(r["key"])[0], []).append(r)
+    out = []
+    for base, rs in sorted(groups.items()):
+        if len({r.get("seed", 0) for r in rs}) < 2:
+            continue
+        ppl = [r["perplexity"] for r in sorted(rs, key=lambda r: r.get("seed", 0))]
+        out.append({"config": base, "seeds": sorted(r.get("seed", 0) for r in rs), "perplexity": ppl,
+                    "mean": sum(ppl) / len(ppl), "min": min(ppl), "max": max(ppl)})
+    return out
+
+
 def targets(rows: list[dict]) -> list[dict]:
     """The issue's quality targets, for the rows present."""
     by = {r["key"]: r.get("perplexity") for r in rows}
@@ -441,6 +470,14 @@ def write_markdown(res: dict, path: str) -> None:
     if t:
         lines += ["", "## Targets (issue 14)", ""]
         lines += [f"- {x['target']}: **{'met' if x['met'] else 'missed'}** ({x['detail']})" for x in t]
+    spread = seed_spread(res["rows"])
+    if spread:
+        lines += ["", "## Sign seeds (escha quantize --seed)", "",
+                  "| configuration | seeds | perplexities | mean | range (max / min) |", "|---|---|---|---|---|"]
+        for g in spread:
+            lines.append(f"| {g['config']} | {', '.join(map(str, g['seeds']))} | "
+                         f"{', '.join(f'{v:.3f}' for v in g['perplexity'])} | {g['mean']:.3f} | "
+                         f"{g['max'] / g['min']:.3f}x |")
     if res.get("sweep"):
         lines += ["", "## Calibration size at K=2 (escha quantize --bits 2)", "",
                   "| calibration tokens | samples x seq_len | perplexity | mean layer proxy error | quantize s |",
@@ -493,7 +530,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--parts", default="reference,escha,peers,sweep",
                     help="comma-separated: reference, escha, peers, sweep")
-    ap.add_argument("--configs", default="bits2,bits3,bpw2.5")
+    ap.add_argument("--configs", default="bits2,bits3,bpw2.5",
+                    help="escha configurations: bits2, bits3, bpwX, each optionally -sN (sign seed N)")
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--sweep", default=SWEEP_DEFAULT, help="calibration tokens at K=2; 'default' is the bits2 run")
     ap.add_argument("--encoder", choices=("viterbi", "greedy"), default=None, help="passed to escha quantize")
@@ -519,6 +557,11 @@ def main() -> int:
         args.seq_len, args.windows, args.configs = 256, 3, "bits2"
         args.peers, args.sweep, args.gen_tokens, args.prompts = "rtn4,gptq3,mxfp4", "784,default", 8, 1
     args.progress = sys.stderr.isatty()
+    for cfg in args.configs.split(","):
+        try:
+            parse_config(cfg)
+        except ValueError as e:
+            fail(str(e))
     if args.markdown_only:
         path = args.out or fail("--markdown-only needs --out")
         with open(path) as f:

@@ -17,6 +17,9 @@
 #                  The GGUF is 98 MB, over one call's 64 MiB, so it travels in two ignored folders:
 #                  llm-stage carries .whl (part 0, the KJV text, gguf's wheel) and copies them to
 #                  /tmp/llm; llm carries .whl2 (part 1) and joins them.
+# PHASE "llm-seeds" (after "llm-stage", like "llm"): K=2 and K=3 at sign seeds 1 and 2, to set
+#                  against the seed-0 rows of llm_h200_shared.json: the spread one quantization's
+#                  random signs alone cause.
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
@@ -28,7 +31,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, compile, llm-stage, llm or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, compile, llm-stage, llm, llm-seeds or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -88,6 +91,16 @@ case "$phase" in
     step llm 540 python benchmarks/bench_llm.py --device cuda --gguf /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
       --eval-text /tmp/llm/kjv.txt --work /tmp/llm/work --parts reference,escha --configs bits2,bits3 \
       --out "$out/llm_h200_shared.json"
+    ;;
+  llm-seeds)
+    cat /tmp/llm/smollm2.gguf.part00 .whl2/smollm2.gguf.part01 > /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
+      && xz -dc /tmp/llm/kjv.txt.xz > /tmp/llm/kjv.txt \
+      && python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm/gguf-*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    cp benchmarks/results/llm_h200_shared.json "$out/llm_h200_seeds.json"  # the seed-0 rows, merged into
+    step llm_seeds 540 python benchmarks/bench_llm.py --device cuda --gguf /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --eval-text /tmp/llm/kjv.txt --work /tmp/llm/work --parts escha --configs bits2-s1,bits2-s2,bits3-s1,bits3-s2 \
+      --no-generate --merge --out "$out/llm_h200_seeds.json"
     ;;
   sweep)
     ARMS=escha,escha-decode,escha-decode-wgmma,escha-prefill,escha-dequant-fp8,torch-bf16,torch-fp8

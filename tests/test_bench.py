@@ -582,6 +582,26 @@ def test_llm_report_names_the_padding_of_any_model(tmp_path):
         assert "| escha bits2 | 2.000 | 9.000 |" in text and text.rstrip().count("9.500 |") == 1
 
 
+def test_llm_sign_seed_configurations_and_their_spread(tmp_path):
+    """"bits2-s3" quantizes at sign seed 3; rows of one configuration at two or more seeds get a
+    spread line (perplexities in seed order, mean, max / min); a bad name is refused."""
+    bench, res = _llm_result(["1536x576"])
+    assert bench.parse_config("bits2") == ("bits2", None) and bench.parse_config("bpw2.5-s12") == ("bpw2.5", 12)
+    for bad in ("bits2-sx", "k2", "bits2-s"):
+        with pytest.raises(ValueError, match="expected bits2"):
+            bench.parse_config(bad)
+    res["settings"]["smoke"] = False
+    res["rows"] = [{"method": "escha bits2", "key": "bits2", "stored_bpw": 2.0, "perplexity": 40.0},
+                   {"method": "escha bits2 seed 2", "key": "bits2-s2", "seed": 2, "stored_bpw": 2.0, "perplexity": 50.0},
+                   {"method": "escha bits2 seed 1", "key": "bits2-s1", "seed": 1, "stored_bpw": 2.0, "perplexity": 45.0},
+                   {"method": "escha bits3", "key": "bits3", "stored_bpw": 3.0, "perplexity": 20.0}]
+    spread = bench.seed_spread(res["rows"])
+    assert [g["config"] for g in spread] == ["bits2"]  # bits3 has one seed only
+    assert spread[0]["seeds"] == [0, 1, 2] and spread[0]["perplexity"] == [40.0, 45.0, 50.0]
+    bench.write_markdown(res, str(tmp_path / "r.md"))
+    assert "| bits2 | 0, 1, 2 | 40.000, 45.000, 50.000 | 45.000 | 1.250x |" in (tmp_path / "r.md").read_text()
+
+
 def test_llm_models_and_a_missing_one(monkeypatch, capsys):
     bench = _script("bench_llm")
     assert set(bench.MODELS) == {"smollm2", "gemma3"} and bench.MODELS["gemma3"].assemble
