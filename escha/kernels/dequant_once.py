@@ -93,6 +93,13 @@ def workspace_bytes(np_: int, kp: int, fp8: bool = True) -> int:
     return np_ * kp + 4 * np_ if fp8 else 2 * np_ * kp
 
 
+def scratch(qw: QuantizedWeight, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The workspace a scratch filler writes: (e4m3 [Np, Kp], fp32 scales [Np]) or (bf16 [Np, Kp], None)."""
+    np_, kp = qw.padded_shape
+    w = workspace(qw.device, FP8_DTYPE if fp8 else torch.bfloat16, (np_, kp))
+    return w, workspace(qw.device, torch.float32, (np_,)) if fp8 else None
+
+
 def dequant_hn(qw: QuantizedWeight, *, fp8: bool = True, config: DequantOnceConfig | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fill the workspace with the dense weight: (e4m3 [Np, Kp], scales [Np]) or (bf16 [Np, Kp], None).
@@ -105,8 +112,7 @@ def dequant_hn(qw: QuantizedWeight, *, fp8: bool = True, config: DequantOnceConf
     cfg = config or dequant_once_config(qw, 1)  # any M: the rule does not depend on it
     np_, kp = qw.padded_shape
     dev = qw.device
-    w = workspace(dev, FP8_DTYPE if fp8 else torch.bfloat16, (np_, kp))
-    ws = workspace(dev, torch.float32, (np_,)) if fp8 else None
+    w, ws = scratch(qw, fp8)
     kb_total = kp // cfg.block_k
     kpp = k_per_prog_for(kb_total, cfg.k_per_prog)
     grid = (np_ // HAD_BLOCK, kb_total // kpp)
