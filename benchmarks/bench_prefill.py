@@ -48,11 +48,13 @@ PREFILL_CONFIGS = {
 }
 # Alternatives of the two dequantize-once stages, timed as extra "part-" arms so one run shows
 # whether the rules' choices (the empty first entry of each) are the best of these candidates.
-# The rule's R is 1; "-r4" shares one load of the +-1 matrix over 4 row blocks.
+# The rule takes one tile a program; "-tN" gives a program N tiles (one load of the +-1 matrix,
+# x loads pipelined across its tiles).
 ACTQUANT_VARIANTS = {
     "bm64w4": dict(),
-    "bm128w8": dict(block_m=128, num_warps=8),
-    "bm64w4-r4": dict(rows_per_prog=4),
+    "bm64w4-t2": dict(tiles_per_prog=2),
+    "bm64w4-t4": dict(tiles_per_prog=4),
+    "bm64w4-t8": dict(tiles_per_prog=8),
     "bm64w4s2": dict(num_stages=2),
 }
 DEQUANT_VARIANTS = {  # the rule's choice is BK=64, 4 warps, 3 stages

@@ -133,13 +133,14 @@ def exact_grid_x(m: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randint(-32, 33, (m, k), generator=g).float() / 4).to(DEV, torch.bfloat16)
 
 
-@pytest.mark.parametrize("m,k,block_m,r", [(70, 600, 64, 1), (37, 640, 16, 4)])
-def test_actquant_equals_torch_reference(m, k, block_m, r):
-    """Many k blocks (5), ragged K and M; R = 4 row blocks in a program (the last ones empty)."""
+@pytest.mark.parametrize("m,k,block_m,tiles", [(70, 600, 64, 1), (37, 640, 16, 4), (37, 640, 16, 7)])
+def test_actquant_equals_torch_reference(m, k, block_m, tiles):
+    """Many k blocks (5), ragged K and M; one tile a program, or 4 and 7 of the 15 tiles (3 row
+    blocks x 5 k blocks: a count neither divides, so the last programs run past the last tile)."""
     qw = random_qweight(64, k, 2, seed=5, device=DEV)
     x = exact_grid_x(m, k, seed=m)
-    assert actquant_config(qw, m).rows_per_prog == 1  # the rule's R
-    cfg = replace(actquant_config(qw, m), block_m=block_m, rows_per_prog=r)
+    assert actquant_config(qw, m).tiles_per_prog == 1  # the rule: one tile a program
+    cfg = replace(actquant_config(qw, m), block_m=block_m, tiles_per_prog=tiles)
     xq, sx = actquant(x, qw, fp8=True, config=cfg)
     q_ref, s_ref = actquant_reference(x, qw.sv)
     assert xq.shape == (m, 640) and sx.shape == (m,)
@@ -152,13 +153,14 @@ def test_actquant_equals_torch_reference(m, k, block_m, r):
 
 def test_actquant_partials_all_written_and_deterministic():
     """Poison the partial-max scratch with +Inf (an unwritten partial would turn its row's scale
-    NaN); two runs must agree bit for bit; R=2 and R=1 launches give identical results."""
+    NaN); two runs must agree bit for bit; one tile a program and 2 or 5 tiles a program give
+    identical results."""
     qw = random_qweight(64, 384, 2, seed=6, device=DEV)
     x = torch.randn(50, 384, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
     partial_amax_workspace(torch.device(DEV), 50, 3).fill_(float("inf"))
     one = replace(actquant_config(qw, 50), block_m=16)
-    assert one.rows_per_prog == 1
-    two = replace(one, rows_per_prog=2)
+    assert one.tiles_per_prog == 1
+    two = replace(one, tiles_per_prog=2)
     a = actquant(x, qw, fp8=True, config=one)
     assert torch.isfinite(a[1]).all()
     b = actquant(x, qw, fp8=True, config=one)
@@ -168,7 +170,7 @@ def test_actquant_partials_all_written_and_deterministic():
         assert torch.equal(a[1], other[1])
     xb1, _ = actquant(x, qw, fp8=False, config=one)
     xb2, _ = actquant(x, qw, fp8=False,
-                      config=replace(one, rows_per_prog=4))
+                      config=replace(one, tiles_per_prog=5))
     assert torch.equal(xb1, xb2)
 
 

@@ -42,40 +42,42 @@ def _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTY
 
 
 @triton.jit
-def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, NKB: tl.constexpr, BM: tl.constexpr,
-                  R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Pass 1: part[m, kb] = max |x'[m, kb*HB : +HB]| for rows [pid_m*R*BM, +R*BM) (R blocks of
-    BM, which share one build of H) and k block pid_k.
+def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, T: tl.constexpr, NKB: tl.constexpr, BM: tl.constexpr,
+                  HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Pass 1: part[m, kb] = max |x'[m, kb*HB : +HB]| for the T tiles (row block, k block)
+    t = pid, pid + P, ..., pid + (T-1) P (P programs; t = row block * NKB + k block), which share
+    one load of H (tiles past the last are masked: their rows are past M).
 
     A block holding NaN or Inf records +Inf: max() may drop NaN on the GPU, while +Inf survives
     any order of maxima, so pass 2 can tell such rows apart from finite ones.
     """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
     h = load_hadamard(h_ptr)
-    for i in range(R):
-        rows = (pid_m * R + i) * BM + tl.arange(0, BM)
+    for i in range(T):
+        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, t // NKB is past the last row block
+
+        kb = t % NKB
+        rows = (t // NKB) * BM + tl.arange(0, BM)
         row_ok = rows < M
-        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
+        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, kb * HB, K, stride_xm, h, DOT_DTYPE, HB)
         bad = tl.sum(((v != v) | (tl.abs(v) == float("inf"))).to(tl.int32), axis=1)
         amax = tl.where(bad > 0, float("inf"), tl.max(tl.abs(v), axis=1))
-        tl.store(part_ptr + rows * NKB + pid_k, amax, mask=row_ok)
+        tl.store(part_ptr + rows * NKB + kb, amax, mask=row_ok)
 
 
 @triton.jit
-def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om,
-                    NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
-                    HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Pass 2: reduce the row's NKB partial maxima to its scale, recompute x'[rows, k block] and
-    store it in e4m3. Every program of a row block derives the same scale from the same partials
-    (max is exact and order-free); the k-block-0 program stores it."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om, T: tl.constexpr,
+                    NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr):
+    """Pass 2, over pass 1's tiles: reduce the rows' NKB partial maxima to their scales, recompute
+    x'[rows, k block] and store it in e4m3. Every tile of a row block derives the same scale from
+    the same partials (max is exact and order-free); the k-block-0 tile stores it."""
     h = load_hadamard(h_ptr)
     j = tl.arange(0, NKB_P2)
-    cols = pid_k * HB + tl.arange(0, HB)
-    for i in range(R):
-        rows = (pid_m * R + i) * BM + tl.arange(0, BM)
+    for i in range(T):
+        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, t // NKB is past the last row block
+
+        kb = t % NKB
+        rows = (t // NKB) * BM + tl.arange(0, BM)
         row_ok = rows < M
         part = tl.load(part_ptr + rows[:, None] * NKB + j[None, :],
                        mask=row_ok[:, None] & (j[None, :] < NKB), other=0.0)
@@ -83,29 +85,30 @@ def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, s
         bad = amax == float("inf")
         amax = tl.where(bad, 1.0, tl.maximum(amax, 1e-30))  # an all-zero row: any positive scale is exact
         inv = FP8_MAX / amax
-        if pid_k == 0:
-            # A row with NaN/Inf gets a NaN scale, so its whole output row turns NaN, as it would
-            # through the reference transform.
-            tl.store(xscale_ptr + rows, tl.where(bad, float("nan"), amax * (INV_SQRT_HAD / FP8_MAX)),
-                     mask=row_ok)
-        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
+        # A row with NaN/Inf gets a NaN scale, so its whole output row turns NaN, as it would
+        # through the reference transform.
+        tl.store(xscale_ptr + rows, tl.where(bad, float("nan"), amax * (INV_SQRT_HAD / FP8_MAX)),
+                 mask=row_ok & (kb == 0))
+        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, kb * HB, K, stride_xm, h, DOT_DTYPE, HB)
         q = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX), FP8_MAX)
+        cols = kb * HB + tl.arange(0, HB)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], round_to(q, tl.float8e4nv),
                  mask=row_ok[:, None])
 
 
 @triton.jit
-def transform_bf16_kernel(x_ptr, sv_ptr, h_ptr, out_ptr, M, K, stride_xm, stride_om, BM: tl.constexpr,
-                          R: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """bf16 path, one pass: out[rows, k block] = bf16(x' / sqrt(128)) for R row blocks and k block pid_k."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def transform_bf16_kernel(x_ptr, sv_ptr, h_ptr, out_ptr, M, K, stride_xm, stride_om, T: tl.constexpr, NKB: tl.constexpr,
+                          BM: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """bf16 path, one pass over the tiles: out[rows, k block] = bf16(x' / sqrt(128))."""
     h = load_hadamard(h_ptr)
-    cols = pid_k * HB + tl.arange(0, HB)
-    for i in range(R):
-        rows = (pid_m * R + i) * BM + tl.arange(0, BM)
+    for i in range(T):
+        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, t // NKB is past the last row block
+
+        kb = t % NKB
+        rows = (t // NKB) * BM + tl.arange(0, BM)
         row_ok = rows < M
-        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, pid_k * HB, K, stride_xm, h, DOT_DTYPE, HB)
+        v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, kb * HB, K, stride_xm, h, DOT_DTYPE, HB)
+        cols = kb * HB + tl.arange(0, HB)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                  round_to(v * INV_SQRT_HAD, tl.bfloat16), mask=row_ok[:, None])
 
@@ -114,19 +117,21 @@ def transform_bf16_kernel(x_ptr, sv_ptr, h_ptr, out_ptr, M, K, stride_xm, stride
 class ActQuantConfig:
     """Launch parameters of the activation kernels; ``actquant_config`` is the rule that picks them.
 
-    The grid is ceil(M / (block_m * rows_per_prog)) x Kp/128: one 128-wide k block per program.
+    The work is tiles of [block_m rows, 128 columns] (one Hadamard block); each of the
+    ceil(tiles / tiles_per_prog) programs takes tiles_per_prog of them, strided by the grid,
+    sharing one load of the +-1 matrix and pipelining their x loads (num_stages).
     """
 
-    block_m: int  # rows per block (>= 16, the smallest tensor-core M)
-    rows_per_prog: int  # R: row blocks per program, which share one load of the +-1 matrix
+    block_m: int  # rows per tile (>= 16, the smallest tensor-core M)
+    tiles_per_prog: int
     num_warps: int
-    num_stages: int  # with R > 1, the next row block's x loads overlap this block's math
+    num_stages: int
 
 
 def actquant_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> ActQuantConfig:
-    """The rule: [64, 128] blocks, one a program (R = 1), 4 warps, 3 stages, at every M (the
-    note at the end of this file has the measurements; the device does not change the choice)."""
-    return ActQuantConfig(block_m=64, rows_per_prog=1, num_warps=4, num_stages=3)
+    """The rule: [64, 128] tiles, one a program, 4 warps, 3 stages, at every M (the note at the
+    end of this file has the measurements; the device does not change the choice)."""
+    return ActQuantConfig(block_m=64, tiles_per_prog=1, num_warps=4, num_stages=3)
 
 
 def partial_amax_workspace(device: torch.device, m: int, nkb: int) -> torch.Tensor:
@@ -159,21 +164,20 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     if m == 0:
         return out, xscale
     nkb = kp // HAD_BLOCK
-    r = cfg.rows_per_prog
-    grid = (triton.cdiv(m, cfg.block_m * r), nkb)
+    grid = (triton.cdiv(triton.cdiv(m, cfg.block_m) * nkb, cfg.tiles_per_prog),)
     ddt = dot_dtype(x2d.dtype)
     h = hadamard_operand(x.device, ddt)
-    launch = dict(BM=cfg.block_m, R=r, HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps,
+    # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
+    # per model) and a constant-size reduction in pass 2.
+    launch = dict(T=cfg.tiles_per_prog, NKB=nkb, BM=cfg.block_m, HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     if not fp8:
         transform_bf16_kernel[grid](x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0), **launch)
         return out, None
     part = partial_amax_workspace(x.device, m, nkb)
-    # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
-    # per model) and a constant-size reduction in pass 2.
-    absmax_kernel[grid](x2d, qw.sv, h, part, m, k, x2d.stride(0), NKB=nkb, **launch)
+    absmax_kernel[grid](x2d, qw.sv, h, part, m, k, x2d.stride(0), **launch)
     quantize_kernel[grid](x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
-                          NKB=nkb, NKB_P2=triton.next_power_of_2(nkb), **launch)
+                          NKB_P2=triton.next_power_of_2(nkb), **launch)
     return out, xscale
 
 # Configuration note. The grid is (row blocks) x (128-wide k blocks): at M=512, K=5120 that is
@@ -190,8 +194,11 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
 # decode's transform kernels measured as their largest (docs/KERNELS.md); it is now loaded
 # (32 KB, an L2 hit). That took pass 1 + pass 2 from 43.3 to 30.8 us at gate_up M=2048 and from
 # 150.7 to 124.3 us at M=8192 (H200, benchmarks/results/prefill_h200_v3.log). With the matrix
-# loaded, R = 1 is as fast or faster than the R > 1 the rule took before to share its build:
-# 124.3 against 136.1 us at gate_up M=8192, 195.3 against 243.4 at down M=8192 (R = 8);
-# [32, 128] blocks and [128, 128] at 8 warps are slower at every measured point. In the next run
+# loaded, one row block a program was as fast or faster than the R > 1 row blocks the rule took
+# before to share its build: 124.3 against 136.1 us at gate_up M=8192, 195.3 against 243.4 at
+# down M=8192 (R = 8); [32, 128] blocks and [128, 128] at 8 warps are slower at every measured
+# point. R gave way to tiles_per_prog (the same kernel at 1; a program's tiles strided by the
+# grid, so the x loads of its next tile are in flight while it transforms one: cp.async in the
+# PTX from 2 tiles up), whose 2, 4 and 8 are still to be timed (bench_prefill.py's -tN arms). In the next run
 # (prefill_h200_v4.log) 3 stages took 106.2 against 132.9 us at gate_up M=8192 and 183.6 against
 # 227.1 at down M=8192, within 2% of 2 stages at M = 512 and 2048: 3 stages is the rule.
