@@ -26,8 +26,9 @@
 # PHASE "e2e":     the prefill benchmark (bench_prefill.py), then end-to-end decode, Qwen3-14B-
 #                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
 #                  escha-unshared, with a profiled step per batch.
-# PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"): compiling
-#                  the 40-layer model twice per arm took over 220 s, so it has a call of its own.
+# PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
+#                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
+#                  220 s, so it has a call of its own and one batch size.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
@@ -126,7 +127,7 @@ case "$phase" in
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
-      --out "$out/e2e_compile_h200.json"
+      --batches 1 --out "$out/e2e_compile_h200.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \
