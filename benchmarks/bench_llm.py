@@ -274,7 +274,8 @@ class Bench:
         out = os.path.join(self.args.work, f"escha_{cfg}")
         q = self.quantize_cli(out, mode, self.calib_args())
         rep = q.pop("report")
-        row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else ""), "key": cfg, "seed": seed or 0, "stored_bpw": rep["storage_bpw"], "nominal_bpw": rep["mean_bits"],
+        row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else ""), "key": cfg,
+               "seed": seed or 0, "stored_bpw": rep["storage_bpw"], "nominal_bpw": rep["mean_bits"],
                **q, "calibration": rep["calibration"], "hessian": rep["hessian"],
                "per_layer": [{k: r[k] for k in ("layer", "mean_bits", "storage_bpw", "proxy_rel", "weight_rel", "seconds")}
                              for r in rep["layers"]],

@@ -2,8 +2,8 @@
 
 Each program does the padding, the input signs and the 128-point block Hadamard transform (as a
 tensor-core product with the exact +-1 Sylvester matrix, loaded from a cached device tensor: see
-``common.hadamard_matrix``) of one [BM, 128] block; the grid covers
-(row blocks) x (k blocks). The fp8 variant needs a per-token absmax over the whole row, so it
+``common.hadamard_matrix``) of [BM, 128] tiles, ``tiles_per_prog`` of them strided by the grid.
+The fp8 variant needs a per-token absmax over the whole row, so it
 runs two launches: pass 1 writes each block's per-row absmax to a small scratch [M, Kp/128];
 pass 2 reduces a row's partials to its scale, recomputes its block's transform (x is read twice,
 usually the second time from L2, but x' is never written in fp32) and stores e4m3.
@@ -42,8 +42,8 @@ def _transformed_block(x_ptr, sv_ptr, rows, row_ok, k0, K, stride_xm, h, DOT_DTY
 
 
 @triton.jit
-def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, T: tl.constexpr, NKB: tl.constexpr, BM: tl.constexpr,
-                  HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, T: tl.constexpr, NKB: tl.constexpr,
+                  BM: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Pass 1: part[m, kb] = max |x'[m, kb*HB : +HB]| for the T tiles (row block, k block)
     t = pid, pid + P, ..., pid + (T-1) P (P programs; t = row block * NKB + k block), which share
     one load of H (tiles past the last are masked: their rows are past M).
@@ -53,8 +53,7 @@ def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, T: tl.constex
     """
     h = load_hadamard(h_ptr)
     for i in range(T):
-        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, t // NKB is past the last row block
-
+        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, rows are past M
         kb = t % NKB
         rows = (t // NKB) * BM + tl.arange(0, BM)
         row_ok = rows < M
@@ -65,8 +64,8 @@ def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, T: tl.constex
 
 
 @triton.jit
-def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om, T: tl.constexpr,
-                    NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr,
+def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om,
+                    T: tl.constexpr, NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr,
                     DOT_DTYPE: tl.constexpr):
     """Pass 2, over pass 1's tiles: reduce the rows' NKB partial maxima to their scales, recompute
     x'[rows, k block] and store it in e4m3. Every tile of a row block derives the same scale from
@@ -74,8 +73,7 @@ def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, s
     h = load_hadamard(h_ptr)
     j = tl.arange(0, NKB_P2)
     for i in range(T):
-        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, t // NKB is past the last row block
-
+        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, rows are past M
         kb = t % NKB
         rows = (t // NKB) * BM + tl.arange(0, BM)
         row_ok = rows < M
@@ -97,13 +95,12 @@ def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, s
 
 
 @triton.jit
-def transform_bf16_kernel(x_ptr, sv_ptr, h_ptr, out_ptr, M, K, stride_xm, stride_om, T: tl.constexpr, NKB: tl.constexpr,
-                          BM: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def transform_bf16_kernel(x_ptr, sv_ptr, h_ptr, out_ptr, M, K, stride_xm, stride_om, T: tl.constexpr,
+                          NKB: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """bf16 path, one pass over the tiles: out[rows, k block] = bf16(x' / sqrt(128))."""
     h = load_hadamard(h_ptr)
     for i in range(T):
-        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, t // NKB is past the last row block
-
+        t = tl.program_id(0) + i * tl.num_programs(0)  # past the last tile, rows are past M
         kb = t % NKB
         rows = (t // NKB) * BM + tl.arange(0, BM)
         row_ok = rows < M
@@ -169,8 +166,8 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     h = hadamard_operand(x.device, ddt)
     # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
     # per model) and a constant-size reduction in pass 2.
-    launch = dict(T=cfg.tiles_per_prog, NKB=nkb, BM=cfg.block_m, HB=HAD_BLOCK, DOT_DTYPE=ddt, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+    launch = dict(T=cfg.tiles_per_prog, NKB=nkb, BM=cfg.block_m, HB=HAD_BLOCK, DOT_DTYPE=ddt,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fp8:
         transform_bf16_kernel[grid](x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0), **launch)
         return out, None
@@ -180,9 +177,9 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
                           NKB_P2=triton.next_power_of_2(nkb), **launch)
     return out, xscale
 
-# Configuration note. The grid is (row blocks) x (128-wide k blocks): at M=512, K=5120 that is
-# 8 x 40 = 320 programs per pass (the previous one-program-per-32-rows kernel had 16 and walked
-# K twice in series, 92-176 us measured on the H200 for K=5120 against a 5-50 us byte floor).
+# Configuration note. One tile a program: at M=512, K=5120 that is 8 x 40 = 320 programs per
+# pass (the previous one-program-per-32-rows kernel had 16 and walked K twice in series,
+# 92-176 us measured on the H200 for K=5120 against a 5-50 us byte floor).
 # fp8 takes two launches because the per-token scale needs the whole row: pass 1 writes a
 # per-(row, k block) absmax (4 bytes per 128 activations), pass 2 reduces the row's partials
 # (NKB <= 68 floats for the shapes here, from L2), recomputes the block's transform from x
@@ -197,8 +194,9 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
 # loaded, one row block a program was as fast or faster than the R > 1 row blocks the rule took
 # before to share its build: 124.3 against 136.1 us at gate_up M=8192, 195.3 against 243.4 at
 # down M=8192 (R = 8); [32, 128] blocks and [128, 128] at 8 warps are slower at every measured
-# point. R gave way to tiles_per_prog (the same kernel at 1; a program's tiles strided by the
-# grid, so the x loads of its next tile are in flight while it transforms one: cp.async in the
-# PTX from 2 tiles up), whose 2, 4 and 8 are still to be timed (bench_prefill.py's -tN arms). In the next run
-# (prefill_h200_v4.log) 3 stages took 106.2 against 132.9 us at gate_up M=8192 and 183.6 against
-# 227.1 at down M=8192, within 2% of 2 stages at M = 512 and 2048: 3 stages is the rule.
+# point. In the next run (prefill_h200_v4.log) 3 stages took 106.2 against 132.9 us at gate_up
+# M=8192 and 183.6 against 227.1 at down M=8192, within 2% of 2 stages at M = 512 and 2048:
+# 3 stages is the rule. R then gave way to tiles_per_prog (the same kernel at 1; a program's
+# tiles strided by the grid, so the x loads of its next tile are in flight while it transforms
+# one: cp.async in the PTX from 2 tiles up), whose 2, 4 and 8 are still to be timed
+# (bench_prefill.py's -tN arms).
