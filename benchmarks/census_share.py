@@ -1,0 +1,143 @@
+"""Share of the integer floor, per decode point: the register-operand decode GEMM's loop census
+(sm_90a SASS, compiled here without a GPU) set against its measured time in the dense sweep.
+
+For each token block (8, 16, 32, 64 with two fragments a program; 128, 256 with one, as
+``decode_wgmma_config`` picks them) the loop body - the longest region closed by a backward
+branch - is counted by opcode; its integer operations (bench_decode.INT_OPS: IMAD, LOP3, PRMT,
+SHF, ...) per weight give a floor of
+
+    floor = int ops per weight x N x K / (64 per clock per SM x SMs x clock)
+
+(64: the integer lanes of an SM sub-partition group per clock, as docs/KERNELS.md's census uses),
+and the share is floor / the whole call's median time (input transform, GEMM, output transform)
+from the sweep's escha-decode-wgmma arm.
+
+    python benchmarks/census_share.py [--sweep benchmarks/results/sweep_h200] \\
+        [--out benchmarks/results/decode_wgmma_census_share]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_decode import INT_OPS  # noqa: E402
+
+VARIANTS = [(8, 2), (16, 2), (32, 2), (64, 2), (128, 1), (256, 1)]  # (token block, fragments)
+
+# Gluon is compiled in a child process, away from any interpreter state (tests/test_decode_wgmma.py).
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from escha.kernels.decode_wgmma import x_smem_layout, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
+out = {}
+for bn, frags in VARIANTS:
+    stages = 3 if bn <= 128 else 2
+    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
+           "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
+    src = GluonASTSource(_decode_wgmma_kernel, sig,
+                         constexprs={"BITS": 2, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},
+                         attrs={(2,): [["tt.divisibility", 16]]})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
+    out[f"{bn},{frags}"] = k.asm["sass"]
+json.dump(out, sys.stdout)
+"""
+
+
+def loop_census(sass: str) -> dict[str, int]:
+    """Opcode counts of the longest region closed by a backward branch (the k loop)."""
+    instrs, labels = [], {}
+    for ln in sass.splitlines():
+        lm = re.match(r"^\s*(\.?L\w+):\s*$", ln)
+        if lm:
+            labels[lm.group(1)] = len(instrs)
+            continue
+        im = re.match(r"^\s*(?:/\*[0-9a-f]+\*/|[-\w]+:[-\w]+:[-\w]+:[-\w]+:\w+)\s+(.*?)\s*;", ln)
+        if im:
+            instrs.append(im.group(1))
+    best = (0, -1)
+    for i, ins in enumerate(instrs):
+        bm = re.search(r"BRA\s+`?\(?(\.?L\w+)", ins)
+        if bm and bm.group(1) in labels and labels[bm.group(1)] <= i and i - labels[bm.group(1)] > best[1] - best[0]:
+            best = (labels[bm.group(1)], i)
+    counts: dict[str, int] = {}
+    for ins in instrs[best[0]:best[1] + 1]:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def compile_sass() -> dict[tuple[int, int], str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "compile_census.py")
+        with open(script, "w") as f:
+            f.write(_COMPILE.replace("VARIANTS", repr(VARIANTS)))
+        run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=1200)
+    if run.returncode != 0:
+        raise SystemExit(f"compiling the kernel failed:\n{run.stderr[-3000:]}")
+    return {tuple(int(v) for v in k.split(",")): s for k, s in json.loads(run.stdout).items()}
+
+
+def token_block(m: int) -> int:
+    """decode_wgmma_config's token block for m tokens."""
+    return min(256, max(8, 1 << (m - 1).bit_length()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", default=os.path.join(ROOT, "benchmarks", "results", "sweep_h200"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "decode_wgmma_census_share"))
+    ap.add_argument("--arm", default="escha-decode-wgmma")
+    args = ap.parse_args()
+    sass = compile_sass()
+    census = {}
+    for (bn, frags), text in sass.items():
+        counts = loop_census(text)
+        int_ops = sum(counts.get(k, 0) for k in INT_OPS)
+        census[bn] = {"fragments": frags, "loop_instructions": sum(counts.values()), "int_ops": int_ops,
+                      "int_ops_per_weight": int_ops / (64 * frags), "counts": counts}
+    rows = []
+    for shape in ("gate_up", "down"):
+        with open(os.path.join(args.sweep, f"{shape}_results.json")) as f:
+            res = json.load(f)
+        meta = res["meta"]
+        sms, clock = meta["sms"], meta["clock_hz"]
+        for r in res["rows"]:
+            if r["arm"] != args.arm or r["M"] > 256 or r.get("gate") != "pass":
+                continue
+            c = census[token_block(r["M"])]
+            floor_us = c["int_ops_per_weight"] * r["N"] * r["K"] / (64 * sms * clock) * 1e6
+            rows.append({"shape": shape, "M": r["M"], "token_block": token_block(r["M"]), "us": r["us"],
+                         "int_ops_per_weight": round(c["int_ops_per_weight"], 3), "floor_us": floor_us,
+                         "share": floor_us / r["us"]})
+    meta_out = {"sweep": os.path.relpath(args.sweep, ROOT), "sweep_git": meta["git_sha"], "gpu": meta["gpu"],
+                "clock_hz": clock, "sms": sms, "arm": args.arm, "int_ops": list(INT_OPS)}
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta_out, "census": census, "rows": rows}, f, indent=1)
+    lines = [f"# Register-operand decode: share of the integer floor per point ({meta['gpu']}, sweep at "
+             f"{meta['git_sha'][:7]})", "",
+             "floor = integer ops per weight (loop census, sm_90a SASS) x N x K / (64 x SMs x clock); share = "
+             f"floor / the whole call's median ({args.arm}: input transform, GEMM, output transform).", "",
+             "| shape | M | token block | int ops / weight | floor µs | measured µs | share |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['M']} | {r['token_block']} | {r['int_ops_per_weight']:.2f} | "
+                     f"{r['floor_us']:.1f} | {r['us']:.1f} | {100 * r['share']:.0f}% |")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
