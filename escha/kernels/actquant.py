@@ -85,8 +85,10 @@ def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, s
         inv = FP8_MAX / amax
         # A row with NaN/Inf gets a NaN scale, so its whole output row turns NaN, as it would
         # through the reference transform.
+        # (The k-block-0 tile's rows only: the condition goes into the bound, since Triton 3.9's
+        # interpreter rejects a tensor mask combined with a scalar condition.)
         tl.store(xscale_ptr + rows, tl.where(bad, float("nan"), amax * (INV_SQRT_HAD / FP8_MAX)),
-                 mask=row_ok & (kb == 0))
+                 mask=rows < tl.where(kb == 0, M, 0))
         v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, kb * HB, K, stride_xm, h, DOT_DTYPE, HB)
         q = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX), FP8_MAX)
         cols = kb * HB + tl.arange(0, HB)
