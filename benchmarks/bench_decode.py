@@ -118,11 +118,12 @@ def sass_census(kernel, cfg) -> dict:
                             getattr(kernel, "n_spills", None))
 
 
-def census_from_sass(sass: str, cfg, regs=None, spills=None) -> dict:
+def loop_census(sass: str) -> dict[str, int]:
     """Opcode counts of the loop body: the longest region closed by a backward branch.
 
     Understands both disassembly styles: labels ``LBB0:`` with ``ctrl<TAB>OP ...;`` lines (the
     Triton handle's ``asm['sass']``) and ``/*addr*/ OP ...;`` lines with ``.L_x_N:`` labels.
+    Predicates and opcode modifiers are stripped (``@P0 LOP3.LUT`` counts as ``LOP3``).
     """
     instrs, labels = [], {}
     for ln in sass.splitlines():
@@ -140,17 +141,23 @@ def census_from_sass(sass: str, cfg, regs=None, spills=None) -> dict:
             start = labels[bm.group(1)]
             if i - start > best[1] - best[0]:
                 best = (start, i)
-    body = instrs[best[0]:best[1] + 1]
     counts: dict[str, int] = {}
-    for ins in body:
+    for ins in instrs[best[0]:best[1] + 1]:
         op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
         counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def census_from_sass(sass: str, cfg, regs=None, spills=None) -> dict:
+    """``loop_census`` of the portable decode kernel, per weight of its [block_n, 16 block_kt] step."""
+    counts = loop_census(sass)
+    body = sum(counts.values())
     weights_per_iter = cfg.block_n * cfg.block_kt * 16
     lanes = 32 * cfg.num_warps
     int_ops = sum(counts.get(k, 0) for k in INT_OPS)
-    return {"body_instructions": len(body), "counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+    return {"body_instructions": body, "counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
             "int_ops": int_ops, "int_ops_per_weight": int_ops * lanes / weights_per_iter,
-            "all_ops_per_weight": len(body) * lanes / weights_per_iter,
+            "all_ops_per_weight": body * lanes / weights_per_iter,
             "registers": regs, "spills": spills}
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_decode import INT_OPS  # noqa: E402
+from bench_decode import INT_OPS, loop_census  # noqa: E402
 
 VARIANTS = [(8, 2), (16, 2), (32, 2), (64, 2), (128, 1), (256, 1)]  # (token block, fragments)
 
@@ -52,29 +51,6 @@ for bn, frags in VARIANTS:
     out[f"{bn},{frags}"] = k.asm["sass"]
 json.dump(out, sys.stdout)
 """
-
-
-def loop_census(sass: str) -> dict[str, int]:
-    """Opcode counts of the longest region closed by a backward branch (the k loop)."""
-    instrs, labels = [], {}
-    for ln in sass.splitlines():
-        lm = re.match(r"^\s*(\.?L\w+):\s*$", ln)
-        if lm:
-            labels[lm.group(1)] = len(instrs)
-            continue
-        im = re.match(r"^\s*(?:/\*[0-9a-f]+\*/|[-\w]+:[-\w]+:[-\w]+:[-\w]+:\w+)\s+(.*?)\s*;", ln)
-        if im:
-            instrs.append(im.group(1))
-    best = (0, -1)
-    for i, ins in enumerate(instrs):
-        bm = re.search(r"BRA\s+`?\(?(\.?L\w+)", ins)
-        if bm and bm.group(1) in labels and labels[bm.group(1)] <= i and i - labels[bm.group(1)] > best[1] - best[0]:
-            best = (labels[bm.group(1)], i)
-    counts: dict[str, int] = {}
-    for ins in instrs[best[0]:best[1] + 1]:
-        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
-        counts[op] = counts.get(op, 0) + 1
-    return counts
 
 
 def compile_sass() -> dict[tuple[int, int], str]:
