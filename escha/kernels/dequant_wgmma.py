@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .common import FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, hadamard_operand, workspace
+from .common import HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, hadamard_operand
 from .decode_wgmma import SUPPORTED_BITS, _iota, _state_values, packed_words, runs_on
 
 
@@ -180,15 +180,14 @@ def dequant_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | Non
 def dequant_hn_wgmma(qw: QuantizedWeight, *, fp8: bool = True, config: DequantWgmmaConfig | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``dequant_once.dequant_hn`` on Hopper: the same scratch, bit for bit, in the same workspace."""
-    from .dequant_once import k_per_prog_for
+    from .dequant_once import k_per_prog_for, scratch
     check_codebook(qw, "dequant_hn_wgmma")
     if qw.bits not in SUPPORTED_BITS:
         raise ValueError(f"dequant_hn_wgmma handles K in {SUPPORTED_BITS}, got K={qw.bits}")
     cfg = config or dequant_wgmma_config(qw, 1)
     np_, kp = qw.padded_shape
     dev = qw.device
-    w = workspace(dev, FP8_DTYPE if fp8 else torch.bfloat16, (np_, kp))
-    ws = workspace(dev, torch.float32, (np_,)) if fp8 else None
+    w, ws = scratch(qw, fp8)
     kb_total = kp // cfg.block_k
     kpp = k_per_prog_for(kb_total, cfg.k_per_prog)
     h = hadamard_operand(dev, gl.float16, HN_FP8_SCALE.value)
