@@ -36,7 +36,8 @@ from escha.format.qweight import QuantizedWeight  # noqa: E402
 from escha.kernels import (ActQuantConfig, actquant, actquant_config, dequant_bf16, dequant_fp8,  # noqa: E402
                            dequant_once_config, prefill, prefill_config)
 from escha.kernels.actquant import absmax_kernel, quantize_kernel, transform_bf16_kernel  # noqa: E402
-from escha.kernels.dequant_once import dequant_hn, dequant_hn_kernel  # noqa: E402
+from escha.kernels.dequant_once import dequant_hn, dequant_hn_kernel, scaled_mm_rowwise  # noqa: E402
+from escha.kernels.dequant_wgmma import _dequant_wgmma_kernel, dequant_hn_wgmma, runs_on  # noqa: E402
 from escha.kernels.prefill import prefill_kernel  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
@@ -82,6 +83,13 @@ class Row:
     samples: list = field(default_factory=list)
 
 
+def dequant_fp8_wgmma(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """The dequant-fp8 path with the Gluon scratch filler in place of the Triton one."""
+    w, ws = dequant_hn_wgmma(qw, fp8=True)
+    xq, xs = actquant(x, qw, fp8=True)
+    return scaled_mm_rowwise(xq, w.t(), xs, ws)
+
+
 MIN_CALLS = 6  # calls per graph for arms on one buffer (a lone short call is mostly launch)
 _seeds = itertools.count(1)
 
@@ -97,6 +105,7 @@ KERNELS = {
     "quantize": quantize_kernel,
     "transform_bf16": transform_bf16_kernel,
     "dequant_hn": dequant_hn_kernel,
+    "dequant_wgmma": _dequant_wgmma_kernel,
 }
 
 
@@ -180,6 +189,11 @@ def main() -> None:
                 dcfg = replace(dequant_once_config(qws[0], m), **over)
                 arms["part-dequant-fp8-" + vname] = (
                     (lambda c: lambda i: dequant_hn(qws[i % nq], fp8=True, config=c))(dcfg), nq)
+            if runs_on(torch.device(dev), 2):
+                # The pipelined Gluon scratch filler (not in the dispatch rule until measured): alone,
+                # and as the dequant-fp8 path's middle step.
+                arms["part-dequant-wgmma-fp8"] = (lambda i: dequant_hn_wgmma(qws[i % nq], fp8=True), nq)
+                arms["escha-dequant-fp8-wgmma"] = (lambda i: dequant_fp8_wgmma(x, qws[i % nq]), nq)
             for name in configs:
                 pcfg = replace(prefill_config(qws[0], m), **PREFILL_CONFIGS[name])
                 arms["escha-" + name] = ((lambda c: lambda i: prefill(x, qws[i % nq], config=c))(pcfg), nq)

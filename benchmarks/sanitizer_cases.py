@@ -15,6 +15,8 @@ import torch
 import escha
 from escha.format import decode_trellis, random_qweight
 from escha.kernels import dequantize_core
+from escha.kernels.dequant_once import dequant_hn
+from escha.kernels.dequant_wgmma import dequant_hn_wgmma, runs_on
 from escha.norm import HeadNorm
 from escha.ops import available_paths
 
@@ -46,6 +48,16 @@ def main() -> int:
                 failures += not ok
                 if not ok:
                     print(f"FAIL dequant {dtype} K={bits} {n}x{k}")
+            if runs_on(qw.device, bits):
+                # The Gluon scratch filler against the Triton one, bit for bit (both precisions).
+                for fp8 in (True, False):
+                    want = dequant_hn(qw, fp8=fp8)[0].clone()
+                    got = dequant_hn_wgmma(qw, fp8=fp8)[0]
+                    ok = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                    cases += 1
+                    failures += not ok
+                    if not ok:
+                        print(f"FAIL dequant_hn_wgmma fp8={fp8} K={bits} {n}x{k}")
             dense = escha.dequantize(qw)
             for m in MS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
