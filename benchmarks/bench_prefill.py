@@ -36,8 +36,10 @@ from escha.format.qweight import QuantizedWeight  # noqa: E402
 from escha.kernels import (ActQuantConfig, actquant, actquant_config, dequant_bf16, dequant_fp8,  # noqa: E402
                            dequant_once_config, prefill, prefill_config)
 from escha.kernels.actquant import absmax_kernel, quantize_kernel, transform_bf16_kernel  # noqa: E402
-from escha.kernels.dequant_once import dequant_hn, dequant_hn_kernel, scaled_mm_rowwise  # noqa: E402
-from escha.kernels.dequant_wgmma import _dequant_wgmma_kernel, dequant_hn_wgmma, runs_on  # noqa: E402
+from escha.kernels.common import FP8_DTYPE, workspace  # noqa: E402
+from escha.kernels.dequant import _dequant_kernel, dequantize_core  # noqa: E402
+from escha.kernels.dequant_once import dequant_core_fp8, dequant_hn, dequant_hn_kernel  # noqa: E402
+from escha.kernels.transforms import _output_hadamard_kernel, hadamard_output_dense  # noqa: E402
 from escha.kernels.prefill import prefill_kernel  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
@@ -83,13 +85,6 @@ class Row:
     samples: list = field(default_factory=list)
 
 
-def dequant_fp8_wgmma(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """The dequant-fp8 path with the Gluon scratch filler in place of the Triton one."""
-    w, ws = dequant_hn_wgmma(qw, fp8=True)
-    xq, xs = actquant(x, qw, fp8=True)
-    return scaled_mm_rowwise(xq, w.t(), xs, ws)
-
-
 MIN_CALLS = 6  # calls per graph for arms on one buffer (a lone short call is mostly launch)
 _seeds = itertools.count(1)
 
@@ -105,7 +100,8 @@ KERNELS = {
     "quantize": quantize_kernel,
     "transform_bf16": transform_bf16_kernel,
     "dequant_hn": dequant_hn_kernel,
-    "dequant_wgmma": _dequant_wgmma_kernel,
+    "dequant_core": _dequant_kernel,
+    "output_hadamard": _output_hadamard_kernel,
 }
 
 
@@ -189,11 +185,15 @@ def main() -> None:
                 dcfg = replace(dequant_once_config(qws[0], m), **over)
                 arms["part-dequant-fp8-" + vname] = (
                     (lambda c: lambda i: dequant_hn(qws[i % nq], fp8=True, config=c))(dcfg), nq)
-            if runs_on(torch.device(dev), 2):
-                # The pipelined Gluon scratch filler (not in the dispatch rule until measured): alone,
-                # and as the dequant-fp8 path's middle step.
-                arms["part-dequant-wgmma-fp8"] = (lambda i: dequant_hn_wgmma(qws[i % nq], fp8=True), nq)
-                arms["escha-dequant-fp8-wgmma"] = (lambda i: dequant_fp8_wgmma(x, qws[i % nq]), nq)
+            # The plain-core path: e4m3(64 T) without the Hadamard product, the fp8 GEMM, then Hn
+            # and the row scales in a pass over z (its two new parts alone, and the whole path).
+            np_, kp = qws[0].padded_shape
+            zbuf = torch.randn(m, np_, device=dev, dtype=torch.bfloat16)
+            ybuf = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            arms["part-dequant-core-fp8"] = (lambda i: dequantize_core(
+                qws[i % nq], FP8_DTYPE, out=workspace(qws[0].device, FP8_DTYPE, (np_, kp))), nq)
+            arms["part-output-hadamard"] = (lambda i: hadamard_output_dense(zbuf, qws[0], ybuf), 1)
+            arms["escha-dequant-core-fp8"] = (lambda i: dequant_core_fp8(x, qws[i % nq]), nq)
             for name in configs:
                 pcfg = replace(prefill_config(qws[0], m), **PREFILL_CONFIGS[name])
                 arms["escha-" + name] = ((lambda c: lambda i: prefill(x, qws[i % nq], config=c))(pcfg), nq)

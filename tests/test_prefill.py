@@ -7,11 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from escha.format import block_hadamard, decode_trellis, input_transform, random_qweight, row_scale
+from escha.format import block_hadamard, decode_trellis, dequantize, input_transform, random_qweight, row_scale
 from escha.kernels import actquant, actquant_config, dequant_once_config, prefill, prefill_config
 from escha.kernels.actquant import partial_amax_workspace
 from escha.kernels.common import FP8_DTYPE, workspace
-from escha.kernels.dequant_once import dequant_hn, k_per_prog_for, workspace_bytes
+from escha.kernels.dequant_once import dequant_core_fp8, dequant_hn, k_per_prog_for, workspace_bytes
+from escha.kernels.transforms import hadamard_output_dense
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # e4m3 keeps 3 mantissa bits: round-to-nearest leaves a relative error |d| <= u = 2**-4 per
@@ -201,3 +202,45 @@ def test_dequant_hn_exact_and_poisoned():
     w8b, _ = dequant_hn(qw, fp8=True, config=replace(base, k_per_prog=1, block_k=128))
     assert torch.equal(w8b.view(torch.uint8), w8.view(torch.uint8))  # same scratch, same bits
 
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_hadamard_output_dense_exact(out_dtype):
+    """(z H_pm1) is exact in fp32 for bf16 z with few significant bits (every partial sum fits
+    24 bits), so the kernel's output equals the fp64 reference rounded once to out's dtype.
+    The output is poisoned; rows 70 and 71 of a 72-row z cross the 64-row program boundary and
+    the 250 cropped columns the last 128-block."""
+    qw = random_qweight(250, 128, 2, seed=31, device=DEV)
+    g = torch.Generator().manual_seed(31)
+    z = (torch.randint(-64, 65, (72, 256), generator=g).double() / 16).to(DEV, torch.bfloat16)
+    out = torch.full((72, 250), float("nan"), device=DEV, dtype=out_dtype)
+    hadamard_output_dense(z, qw, out)
+    h = hadamard_pm1_torch().double()
+    want = (z.double().cpu().reshape(72, 2, 128) @ h).reshape(72, 256)[:, :250]
+    r = (qw.scale.double() * qw.su.double() * qw.gscale.double()).cpu()[:250]
+    want = want * (r.float().double() * (1 / 128 ** 0.5))  # the kernel's fp32 row scale
+    assert torch.isfinite(out).all(), "some outputs were never written"
+    assert rel(out.cpu(), want.float()) < (2 * BF16_ELEM_RMS if out_dtype == torch.bfloat16 else 1e-6)
+    with pytest.raises(ValueError, match="z must be"):
+        hadamard_output_dense(z[:, :128], qw, out)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("m", [3, 70])
+def test_dequant_core_fp8_vs_quantized_operands(bits, m):
+    """The plain-core path equals Hn (x'_q (64 T)_q^T / 64) * r, given the same fp8 operands, up to
+    the bf16 rounding of the GEMM's output z (2**-9) and of y; and W_hat within the e4m3 table."""
+    g = torch.Generator().manual_seed(200 + m + bits)
+    qw = random_qweight(200, 300, bits, seed=bits + 5, device=DEV)
+    x = torch.randn(m, 300, generator=g).to(DEV, torch.bfloat16)
+    workspace(torch.device(DEV), FP8_DTYPE, qw.padded_shape).view(torch.uint8).fill_(0x7F)  # NaN scratch
+    y = dequant_core_fp8(x, qw)
+    assert y.dtype == x.dtype and y.shape == (m, 200) and torch.isfinite(y).all()
+    xq, sx = actquant(x, qw, fp8=True)
+    t8 = fp8_round(decode_trellis(qw).float() * 64) / 64
+    z = (xq.float() * sx[:, None]) @ t8.T
+    want = (block_hadamard(z, dim=-1) * row_scale(qw))[:, :200]
+    assert rel(y, want) < 3 * BF16_ELEM_RMS
+    # Against the exact product: the e4m3 table's bound (1.5 x sqrt(2) x the per-element rms).
+    dense = dequantize(qw).float()
+    assert rel(y, x.float() @ dense.T) < 1.5 * 2 ** 0.5 * FP8_ELEM_RMS

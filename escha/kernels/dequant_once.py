@@ -27,8 +27,10 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
 from .actquant import actquant
 from .codec import CodecPath, codec_path, decode_block
+from .dequant import DequantConfig, dequant_config, dequantize_core
 from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
                      hadamard_operand, load_hadamard, round_to, row_scale_block, workspace)
+from .transforms import hadamard_output_dense
 
 
 @triton.jit
@@ -170,6 +172,25 @@ def dequant_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceCon
     scratch (r * Hn T), then one bf16 GEMM (the accuracy-first path). ``config`` overrides
     ``dequant_once_config``."""
     return _dequant_once(x, qw, False, config, "dequant_bf16")
+
+def dequant_core_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantConfig | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T in x's dtype through a scratch of the plain core:
+    e4m3(64 T) (``dequantize_core``, no Hadamard product while decoding), one fp8 GEMM
+    z = x' T^T with row-wise scales, then Hn and the row scales in one pass over z
+    (``transforms.hadamard_output_dense``). It trades dequant_fp8's 128x128 product per weight
+    block for a read and a write of [M, Np]: cheaper for few tokens. ``config`` overrides
+    ``dequant_config``."""
+    check_operands(x, qw, "dequant_core_fp8")
+    x2d = x.reshape(-1, x.shape[-1])
+    np_, kp = qw.padded_shape
+    t8, t_scale = dequantize_core(qw, FP8_DTYPE, config=config or dequant_config(qw, x.device),
+                                  out=workspace(qw.device, FP8_DTYPE, (np_, kp)))
+    xq, xscale = actquant(x2d, qw)
+    z = scaled_mm_rowwise(xq, t8.t(), xscale, torch.full((np_,), t_scale, device=x.device))
+    y = torch.empty((x2d.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
+    hadamard_output_dense(z, qw, y)
+    return y.reshape(*x.shape[:-1], qw.out_features)
+
 
 # Configuration note. The kernel decodes each weight once, adds a 128x128xBK fp16 product per
 # block (256 flops a weight) and writes one byte (fp8) or two (bf16) per weight. The decode is

@@ -201,3 +201,45 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
                                    qw.out_features, np_, out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch,
                                    HEAD_NORM=head_norm is not None, num_warps=4, launch_pdl=dependent_launch)
     return out
+
+
+@triton.jit
+def _output_hadamard_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, M, N_out, stride_zm, stride_ym,
+                            BM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Program (nb, mb): y[mb*BM.., nb*128..] = crop((z H) * g*c*su / sqrt(128)) in y's dtype.
+
+    z is one [M, Np] product in a 16-bit dtype (a library GEMM's output), so z and +-1 are exact
+    operands and the tensor core sums their products in fp32: one product, no split pieces.
+    """
+    nb = tl.program_id(0)
+    mb = tl.program_id(1)
+    m = mb * BM + tl.arange(0, BM)[:, None]
+    n = nb * 128 + tl.arange(0, 128)[None, :]
+    mmask = m < M
+    hm = load_hadamard(h_ptr)
+    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out) * INV_SQRT_HAD
+    z = tl.load(z_ptr + m.to(tl.int64) * stride_zm + n, mask=mmask, other=0.0)
+    y = tl.dot(z.to(DOT_DTYPE), hm) * rs
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, round_to(y, y_ptr.dtype.element_ty),
+             mask=mmask & (n < N_out))
+
+
+def hadamard_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """Apply Hn and g*c*su to one 16-bit product z [M, Np] (fp16/bf16, unit column stride) and
+    write the cropped result to ``out`` [M, out_features] (fp16, bf16 or fp32, unit column stride).
+
+    The output side of a GEMM whose weight operand is the plain core T (``dequant_core_fp8``).
+    """
+    m, np_ = z.shape
+    if np_ != qw.padded_shape[0] or z.dtype not in (torch.float16, torch.bfloat16) or z.stride(1) != 1:
+        raise ValueError(f"z must be fp16/bf16 [M, {qw.padded_shape[0]}] with unit column stride, "
+                         f"got {z.dtype} {list(z.shape)} stride {z.stride()}")
+    if out.shape != (m, qw.out_features) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {qw.out_features}] with unit column stride, got {list(out.shape)}")
+    bm = 64
+    ddt = dot_dtype(z.dtype)
+    grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
+    _output_hadamard_kernel[grid](z, hadamard_operand(z.device, ddt), out, qw.scale, qw.su, qw.gscale, m,
+                                  qw.out_features, z.stride(0), out.stride(0), BM=bm, DOT_DTYPE=ddt,
+                                  num_warps=4)
+    return out
