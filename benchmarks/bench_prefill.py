@@ -37,7 +37,7 @@ from escha.kernels import (ActQuantConfig, actquant, actquant_config, dequant_bf
                            dequant_once_config, prefill, prefill_config)
 from escha.kernels.actquant import absmax_kernel, quantize_kernel, transform_bf16_kernel  # noqa: E402
 from escha.kernels.common import FP8_DTYPE, workspace  # noqa: E402
-from escha.kernels.dequant import _dequant_kernel, dequantize_core  # noqa: E402
+from escha.kernels.dequant import _dequant_kernel, dequant_config, dequantize_core  # noqa: E402
 from escha.kernels.dequant_once import dequant_core_fp8, dequant_hn, dequant_hn_kernel  # noqa: E402
 from escha.kernels.transforms import _output_hadamard_kernel, hadamard_output_dense  # noqa: E402
 from escha.kernels.prefill import prefill_kernel  # noqa: E402
@@ -66,6 +66,12 @@ DEQUANT_VARIANTS = {  # the rule's choice is BK=64, 4 warps, 3 stages
     "bk64w8s3": dict(num_warps=8, num_stages=3),
     "bk64w8s2-k16": dict(num_warps=8, num_stages=2, k_per_prog=16),
     "bk128w8s2": dict(k_per_prog=4, block_k=128, num_warps=8, num_stages=2),
+}
+
+DEQUANT_CORE_VARIANTS = {  # dequant_config's rule: 64 x 128 a program, 4 warps
+    "bn128w8": dict(block_n=128, num_warps=8),
+    "bn64w8": dict(num_warps=8),
+    "bn128w4": dict(block_n=128),
 }
 
 
@@ -192,6 +198,10 @@ def main() -> None:
             ybuf = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             arms["part-dequant-core-fp8"] = (lambda i: dequantize_core(
                 qws[i % nq], FP8_DTYPE, out=workspace(qws[0].device, FP8_DTYPE, (np_, kp))), nq)
+            for vname, over in DEQUANT_CORE_VARIANTS.items():
+                ccfg = replace(dequant_config(qws[0]), **over)
+                arms["part-dequant-core-fp8-" + vname] = ((lambda c: lambda i: dequantize_core(
+                    qws[i % nq], FP8_DTYPE, config=c, out=workspace(qws[0].device, FP8_DTYPE, (np_, kp))))(ccfg), nq)
             arms["part-output-hadamard"] = (lambda i: hadamard_output_dense(zbuf, qws[0], ybuf), 1)
             arms["escha-dequant-core-fp8"] = (lambda i: dequant_core_fp8(x, qws[i % nq]), nq)
             for name in configs:
