@@ -68,10 +68,9 @@ DEQUANT_VARIANTS = {  # the rule's choice is BK=64, 4 warps, 3 stages
     "bk128w8s2": dict(k_per_prog=4, block_k=128, num_warps=8, num_stages=2),
 }
 
-DEQUANT_CORE_VARIANTS = {  # dequant_config's rule: 64 x 128 a program, 4 warps
-    "bn128w8": dict(block_n=128, num_warps=8),
-    "bn64w8": dict(num_warps=8),
-    "bn128w4": dict(block_n=128),
+DEQUANT_CORE_VARIANTS = {  # dequant_config's rule: 128 x 128 a program, 4 warps
+    "bn128w8": dict(num_warps=8),
+    "bn64w4": dict(block_n=64),
 }
 
 

@@ -14,7 +14,9 @@ force (``escha``) and its loss, and both against bf16 and fp8 cuBLAS (issue targ
 1.00x bf16 at every M, at most 1.15x fp8 at M >= 2048 and 1.30x at M = 512), and the ranges as
 ``DispatchRule`` thresholds when they take the order it expresses (``as_dispatch_rule``).
 
-Candidates are the fp8-precision paths (``decode``, ``decode-wgmma``, ``prefill``, ``dequant-fp8``);
+Candidates are the fp8-precision paths (``decode``, ``decode-wgmma``, ``prefill``, ``dequant-core-fp8``,
+``dequant-fp8``); the two dequantize-once forms count as one stage of the rule, chosen between by
+rows per 128 inputs (``core_m_per_kblock``, fitted over the points where both ran);
 ``dequant-bf16`` is what ``precision="bf16"`` selects, and ``reference`` is not a kernel.
 """
 from __future__ import annotations
@@ -26,7 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-CANDIDATES = ("decode", "decode-wgmma", "prefill", "dequant-fp8")
+CANDIDATES = ("decode", "decode-wgmma", "prefill", "dequant-core-fp8", "dequant-fp8")
+DEQUANT_FORMS = ("dequant-core-fp8", "dequant-fp8")  # chosen between by K (DispatchRule.dequant_path)
 RULE_ARM = "escha"
 PREFIX = "escha-"
 BF16_ARM, FP8_ARM = "torch-bf16", "torch-fp8"
@@ -39,6 +42,7 @@ class Point:
     shape: str
     m: int
     us: dict[str, float]
+    k: int = 0  # in_features (the dequantize-once forms are chosen between by K)
 
     def best(self, paths: tuple[str, ...]) -> float:
         times = [self.us[p] for p in paths if p in self.us]
@@ -48,6 +52,7 @@ class Point:
 def load_points(docs: list[dict]) -> list[Point]:
     """Points from results.json documents; a (shape, M) seen in two files is refused."""
     table: dict[tuple[str, int], dict[str, float]] = {}
+    ks: dict[str, int] = {}
     seen: dict[tuple[str, int, str], int] = {}
     for i, doc in enumerate(docs):
         for row in doc["rows"]:
@@ -55,10 +60,11 @@ def load_points(docs: list[dict]) -> list[Point]:
             if key in seen:
                 raise ValueError(f"{row['arm']} at {row['shape']} M={row['M']} appears in inputs {seen[key]} and {i}")
             seen[key] = i
+            ks[row["shape"]] = int(row.get("K", 0))
             if row["gate"] == "pass" and row["us"] is not None:
                 name = row["arm"][len(PREFIX):] if row["arm"].startswith(PREFIX) else row["arm"]
                 table.setdefault((row["shape"], row["M"]), {})[name] = float(row["us"])
-    return [Point(s, m, us) for (s, m), us in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    return [Point(s, m, us, ks[s]) for (s, m), us in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
 
 
 def fit(points: list[Point], candidates: tuple[str, ...] = CANDIDATES) -> list[tuple[int, int, str]]:
@@ -101,18 +107,35 @@ def as_dispatch_rule(ranges: list[tuple[int, int, str]]) -> dict | None:
     """The ``escha.ops.DispatchRule`` thresholds the ranges amount to, when they take the order
     the rule can express (decode paths, then the fused prefill kernel, then dequant-fp8), else
     None. A threshold between two measured M is put at the smaller one's next integer."""
-    order = {"decode": 0, "decode-wgmma": 0, "prefill": 1, "dequant-fp8": 2}
+    order = {"decode": 0, "decode-wgmma": 0, "prefill": 1, "dequant-core-fp8": 2, "dequant-fp8": 2}
     stages = [order[p] for _, _, p in ranges]
     if stages != sorted(stages):
         return None
     decode_max = max((hi for _, hi, p in ranges if p in DECODE_PATHS), default=0)
-    dequant_min = min((lo for lo, _, p in ranges if p == "dequant-fp8"), default=None)
+    dequant_min = min((lo for lo, _, p in ranges if p in DEQUANT_FORMS), default=None)
     prefill_hi = max((hi for _, hi, p in ranges if p == "prefill"), default=None)
     if dequant_min is None:  # no dequant range measured: the fused kernel takes every larger M
         dequant_min = 2**31 - 1
     elif prefill_hi is not None or decode_max:
         dequant_min = (prefill_hi if prefill_hi is not None else decode_max) + 1
     return {"decode_max_m": decode_max, "dequant_min_m": dequant_min}
+
+
+def fit_core_m_per_kblock(points: list[Point], dequant_min_m: int) -> tuple[int, float] | None:
+    """``DispatchRule.core_m_per_kblock`` (the plain-core form up to that many rows per 128 inputs,
+    the folded form above) with the smallest worst loss against the faster form over the points
+    at M >= dequant_min_m that measured both, and that loss; None without such points."""
+    pts = [p for p in points if p.m >= dequant_min_m and all(f in p.us for f in DEQUANT_FORMS) and p.k > 0]
+    if not pts:
+        return None
+    kblocks = lambda p: -(-p.k // 128)  # noqa: E731
+    best: tuple[int, float] | None = None
+    for c in sorted({0} | {p.m // kblocks(p) for p in pts}):
+        worst = max(p.us[DEQUANT_FORMS[0] if p.m <= c * kblocks(p) else DEQUANT_FORMS[1]]
+                    / min(p.us[f] for f in DEQUANT_FORMS) - 1 for p in pts)
+        if best is None or worst < best[1]:
+            best = (c, worst)
+    return best
 
 
 def report(points: list[Point], ranges: list[tuple[int, int, str]],
@@ -133,8 +156,13 @@ def report(points: list[Point], ranges: list[tuple[int, int, str]],
         rows.append(row)
     worst = {k: max((r[k] for r in rows if k in r), default=None)
              for k in ("fitted_loss", "rule_loss", "vs_bf16")}
+    rule = as_dispatch_rule(ranges)
+    core = None if rule is None else fit_core_m_per_kblock(points, rule["dequant_min_m"])
+    if core is not None:
+        rule = {**rule, "core_m_per_kblock": core[0]}
     return {"ranges": [{"m_from": lo, "m_to": hi, "path": path} for lo, hi, path in ranges],
-            "dispatch_rule": as_dispatch_rule(ranges), "worst": worst, "points": rows}
+            "dispatch_rule": rule, "core_form_worst_loss": None if core is None else core[1],
+            "worst": worst, "points": rows}
 
 
 def markdown(fitted: dict) -> str:
@@ -144,9 +172,14 @@ def markdown(fitted: dict) -> str:
     if rule is None:
         out += ["", "The ranges do not take the order DispatchRule can express (decode, prefill, dequant-fp8)."]
     else:
+        core = (f", core_m_per_kblock={rule['core_m_per_kblock']}" if "core_m_per_kblock" in rule else "")
         out += ["", f"As `escha.ops.DispatchRule`: `DispatchRule(decode_max_m={rule['decode_max_m']}, "
-                    f"dequant_min_m={rule['dequant_min_m']})` (inside the decode range, decode against "
-                    f"decode-wgmma is `decode_wgmma.preferred_over_portable`)."]
+                    f"dequant_min_m={rule['dequant_min_m']}{core})` (inside the decode range, decode against "
+                    f"decode-wgmma is `decode_wgmma.preferred_over_portable`; between the two dequantize-once "
+                    f"forms, `DispatchRule.dequant_path` by K)."]
+        if fitted.get("core_form_worst_loss") is not None:
+            out += ["", f"The K-proportional choice between the dequantize-once forms loses at most "
+                        f"{100 * fitted['core_form_worst_loss']:.1f}% against the faster form where both ran."]
     w = fitted["worst"]
     fmt = lambda v: "–" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     out += ["", f"Worst loss against the fastest path: fitted {fmt(w['fitted_loss'])}, "

@@ -104,7 +104,7 @@ case "$phase" in
       --no-generate --merge --out "$out/llm_h200_seeds.json"
     ;;
   sweep)
-    ARMS=escha,escha-decode,escha-decode-wgmma,escha-prefill,escha-dequant-fp8,torch-bf16,torch-fp8
+    ARMS=escha,escha-decode,escha-decode-wgmma,escha-prefill,escha-dequant-core-fp8,escha-dequant-fp8,torch-bf16,torch-fp8
     MS=1,2,4,8,16,24,32,48,64,96,128,192,256,384,512,768,1024,2048,4096,8192
     results=()
     IFS=, read -ra shapes <<< "${SWEEP_SHAPES:-gate_up,down}"

@@ -54,7 +54,8 @@ class KernelPath(str, enum.Enum):
     PREFILL = "prefill"
     DEQUANT_FP8 = "dequant-fp8"
     DEQUANT_BF16 = "dequant-bf16"
-    DECODE_WGMMA = "decode-wgmma"  # last: the custom op's path codes are positions
+    DECODE_WGMMA = "decode-wgmma"
+    DEQUANT_CORE_FP8 = "dequant-core-fp8"  # new paths go last: the custom op's path codes are positions
 
     def __str__(self) -> str:
         return self.value
@@ -100,7 +101,7 @@ class PathOp:
 @functools.cache
 def dispatch_table() -> dict[KernelPath, PathOp]:
     """The dispatch table: path -> op (built on first use, which imports the kernels)."""
-    from .kernels import decode, dequant_bf16, dequant_fp8, prefill
+    from .kernels import decode, dequant_bf16, dequant_core_fp8, dequant_fp8, prefill
     from .kernels.decode import MAX_DECODE_M
     from .kernels.decode_wgmma import decode_wgmma, runs_on
     return {
@@ -109,6 +110,7 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
         KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on, fuses_norm=True),
         KernelPath.PREFILL: PathOp(prefill),
         KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
+        KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8),
         KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
     }
 
@@ -120,31 +122,45 @@ def _kernels_run_on(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class DispatchRule:
-    """Thresholds on M (rows of x) that pick a path for the fp8 precision.
+    """Thresholds that pick a path for the fp8 precision from M (rows of x) and K (in_features).
 
     M <= decode_max_m: a decode kernel (``resolve_path`` picks the register-operand or the
     portable one; past the portable kernel's 64 tokens, where the register-operand kernel cannot
-    run, dequantize-once). decode_max_m < M < dequant_min_m: fused prefill kernel.
-    M >= dequant_min_m: dequantize once + fp8 library GEMM. The bf16 precision always takes the
-    dequant-bf16 path. Defaults fitted by benchmarks/fit_dispatch.py on the H200's dense sweep
+    run, a dequantize-once path). decode_max_m < M < dequant_min_m: fused prefill kernel.
+    M >= dequant_min_m: dequantize once + fp8 library GEMM, in one of two forms (``dequant_path``):
+    the plain core and a pass over the output (dequant-core-fp8) up to ``core_m_per_kblock``
+    tokens per 128 input features, the core with Hn folded in (dequant-fp8) above. The plain form
+    saves a 128x128 product per weight block (work proportional to N*K) and pays a read and a write
+    of the [M, N] output (proportional to M*N), so where one overtakes the other is proportional
+    to K. The bf16 precision always takes the dequant-bf16 path. decode_max_m and dequant_min_m
+    are fitted by benchmarks/fit_dispatch.py on the H200's dense sweep
     (benchmarks/results/sweep_h200/fit_dispatch.md: every escha path at 20 M from 1 to 8192 on
     both seed shapes): a decode kernel was fastest up to 128 tokens and dequantize-once from 192;
     the fused prefill kernel never was, so it stays selectable only (path="prefill", or a rule
-    with a larger dequant_min_m).
+    with a larger dequant_min_m). core_m_per_kblock comes from benchmarks/results/prefill_h200_v6
+    (the plain form ahead on both seed shapes from 128 to 1024 tokens, level with the folded form
+    on gate_up at 2048 = 51 x 40 blocks, behind on both at 8192): 48.
     """
 
     decode_max_m: int = 128
     dequant_min_m: int = 129
+    core_m_per_kblock: int = 48
 
-    def choose(self, m: int, precision: Precision | str = Precision.FP8) -> KernelPath:
-        """The path for M rows at this precision."""
+    def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:
+        """The path for M rows of a weight with ``in_features`` inputs at this precision."""
         if _PRECISION_CODE[precision] == _PRECISION_CODE[Precision.BF16]:
             return KernelPath.DEQUANT_BF16
         if m <= self.decode_max_m:
             return KernelPath.DECODE
         if m < self.dequant_min_m:
             return KernelPath.PREFILL
-        return KernelPath.DEQUANT_FP8
+        return self.dequant_path(m, in_features)
+
+    def dequant_path(self, m: int, in_features: int) -> KernelPath:
+        """The dequantize-once form for M rows: the plain core up to core_m_per_kblock rows per
+        128-block of inputs, the core with Hn folded in above."""
+        kblocks = -(-in_features // 128)
+        return KernelPath.DEQUANT_CORE_FP8 if m <= self.core_m_per_kblock * kblocks else KernelPath.DEQUANT_FP8
 
 
 DEFAULT_RULE = DispatchRule()
@@ -186,7 +202,7 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
         return KernelPath.REFERENCE
     if path is not None:
         return _PATHS[_PATH_CODE[path]]
-    chosen = rule.choose(m, precision)
+    chosen = rule.choose(m, precision, in_features=qw.in_features)
     if chosen != KernelPath.DECODE:
         return chosen
     if dispatch_table()[KernelPath.DECODE_WGMMA].available(qw.device, qw.bits, m, True):
@@ -195,12 +211,12 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
             return KernelPath.DECODE_WGMMA
     if dispatch_table()[KernelPath.DECODE].available(qw.device, qw.bits, m, True):
         return KernelPath.DECODE
-    return KernelPath.DEQUANT_FP8  # past the portable kernel's range
+    return rule.dequant_path(m, qw.in_features)  # past the portable kernel's range
 
 
 # The custom op's schema: x, the weight's stored tensors in declaration order, then ints.
 _INT_ARGS = ("out_features", "in_features", "bits", "codebook_id", "path", "precision",
-             "decode_max_m", "dequant_min_m")
+             "decode_max_m", "dequant_min_m", "core_m_per_kblock")
 # Then, optionally, the weight and eps of a RowNorm applied to x first, and the row weights,
 # block flags and eps of a HeadNorm applied to y's heads.
 _SCHEMA = ("(Tensor x, " + ", ".join(f"Tensor {n}" for n in TENSOR_NAMES) + ", "
@@ -220,12 +236,12 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     tensors, ints = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):_N_FIXED]
     rest = tuple(args[_N_FIXED:])
     norm_weight, norm_eps, head_weight, head_blocks, head_eps = rest + _OPTIONAL[len(rest):]
-    out_features, in_features, bits, codebook_id, path, precision, decode_max_m, dequant_min_m = ints
+    out_features, in_features, bits, codebook_id, path, precision, decode_max_m, dequant_min_m, core_m_per_kblock = ints
     x2d = x.reshape(-1, in_features)
     m = x2d.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], out_features), dtype=_out_dtype(x, norm_weight))
-    rule = DispatchRule(decode_max_m=decode_max_m, dequant_min_m=dequant_min_m)
+    rule = DispatchRule(decode_max_m=decode_max_m, dequant_min_m=dequant_min_m, core_m_per_kblock=core_m_per_kblock)
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
     chosen = resolve_path(m, qw, None if path == _AUTO else _PATHS[path], _PRECISIONS[precision], rule)
     op = dispatch_table()[chosen]
@@ -296,7 +312,7 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
                          f"{list(head_norm.weight.shape)} and {list(head_norm.blocks.shape)}")
     code = _AUTO if path is None else _PATH_CODE[path]
     ints = (qw.out_features, qw.in_features, qw.bits, qw.codebook_id, code, _PRECISION_CODE[precision],
-            r.decode_max_m, r.dequant_min_m)
+            r.decode_max_m, r.dequant_min_m, r.core_m_per_kblock)
     norms = (None, 0.0) if norm is None else (norm.weight, float(norm.eps))
     heads = (None, None, 0.0) if head_norm is None else (head_norm.weight, head_norm.blocks, float(head_norm.eps))
     return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints, *norms, *heads)

@@ -439,6 +439,20 @@ def test_fit_dispatch_minimax_over_shapes(tmp_path):
     assert fit.main([str(path), str(path)]) == 2
 
 
+def test_fit_core_m_per_kblock():
+    """The plain-core form's bound is fitted in rows per 128 inputs over both shapes' points."""
+    fit = _script("fit_dispatch")
+    P = fit.Point
+    pts = [P("gate_up", 512, {"dequant-core-fp8": 155, "dequant-fp8": 172}, 5120),   # 12.8 rows a block
+           P("gate_up", 2048, {"dequant-core-fp8": 400, "dequant-fp8": 385}, 5120),  # 51.2: folded wins
+           P("down", 2048, {"dequant-core-fp8": 225, "dequant-fp8": 235}, 8704),     # 30.1: core wins
+           P("down", 8192, {"dequant-core-fp8": 850, "dequant-fp8": 840}, 8704),     # 120.5
+           P("down", 64, {"dequant-core-fp8": 1, "dequant-fp8": 1000}, 8704)]        # below dequant_min_m
+    c, worst = fit.fit_core_m_per_kblock(pts, dequant_min_m=129)
+    assert c == 51 and worst == 0.0  # down 2048 (30.1 rows a block) takes the core, gate_up 2048 (51.2) not
+    assert fit.fit_core_m_per_kblock(pts, dequant_min_m=10**6) is None
+
+
 # -- benchmarks/fit_splitk.py --------------------------------------------------------------------
 def test_fit_splitk_for_the_register_operand_kernel():
     """The split rule's fit, per token class: the target of least worst-case loss over the

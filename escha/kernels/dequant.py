@@ -48,9 +48,12 @@ class DequantConfig:
 
 
 def dequant_config(qw: QuantizedWeight, device: torch.device | None = None) -> DequantConfig:
-    """The rule: 64 x 128 outputs per program (whole tiles; Np and Kp are multiples of 128),
-    4 warps, the device's codec path (codec.codec_path)."""
-    return DequantConfig(block_n=64, block_kt=8, num_warps=4, codec=codec_path(device or qw.device))
+    """The rule: 128 x 128 outputs per program (whole tiles; Np and Kp are multiples of 128),
+    4 warps, the device's codec path (codec.codec_path). Measured (H200, e4m3 output,
+    benchmarks/results/prefill_h200_v6.log, median over M = 128..2048): 128 x 128 at 4 warps
+    40.4-41.8 us on gate_up 17408x5120 and 21.9-22.8 on down 5120x8704; 64 x 128 at 4 warps (the
+    previous rule) 43.2-45.3 / 22.3-23.2; 8 warps slower in both shapes."""
+    return DequantConfig(block_n=128, block_kt=8, num_warps=4, codec=codec_path(device or qw.device))
 
 
 def dequantize_core(qw: QuantizedWeight, dtype: torch.dtype = torch.float16, *,

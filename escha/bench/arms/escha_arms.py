@@ -15,7 +15,7 @@ from .base import DEFAULT_TOLERANCE, Arm, ArmMeta
 
 # Paths whose GEMM operands are fp8 e4m3 (3 mantissa bits): their relative error is ~4e-2
 # (docs/KERNELS.md, prefill tolerance table), so their gate is wider than the 16-bit paths'.
-FP8_PATHS = ("prefill", "dequant-fp8")
+FP8_PATHS = ("prefill", "dequant-fp8", "dequant-core-fp8")
 FP8_TOLERANCE = 8e-2
 
 BITS = 2
