@@ -132,18 +132,18 @@ class DispatchRule:
     tokens per 128 input features, the core with Hn folded in (dequant-fp8) above. The plain form
     saves a 128x128 product per weight block (work proportional to N*K) and pays a read and a write
     of the [M, N] output (proportional to M*N), so where one overtakes the other is proportional
-    to K. The bf16 precision always takes the dequant-bf16 path. decode_max_m and dequant_min_m
-    are fitted by benchmarks/fit_dispatch.py on the H200's dense sweep
-    (benchmarks/results/sweep_h200/fit_dispatch.md: every escha path at 20 M from 1 to 8192 on
-    both seed shapes): a decode kernel was fastest up to 128 tokens and dequantize-once from 192;
-    the fused prefill kernel never was, so it stays selectable only (path="prefill", or a rule
-    with a larger dequant_min_m). core_m_per_kblock comes from benchmarks/results/prefill_h200_v6
-    (the plain form ahead on both seed shapes from 128 to 1024 tokens, level with the folded form
-    on gate_up at 2048 = 51 x 40 blocks, behind on both at 8192): 48.
+    to K. The bf16 precision always takes the dequant-bf16 path. The defaults are the fit of
+    benchmarks/fit_dispatch.py on the H200's dense sweep (benchmarks/results/sweep_h200_v2/
+    fit_dispatch.md: every escha path at 20 M from 1 to 8192 on both seed shapes): the
+    register-operand decode kernel was fastest up to 96 tokens, the plain-core form from 128 to
+    2048 and the folded form from 4096; the fused prefill kernel never was the fastest, so it
+    stays selectable only (path="prefill", or a rule with a larger dequant_min_m). Any
+    core_m_per_kblock from 31 to 51 chose the faster form at every point of that sweep; 48 (from
+    benchmarks/results/prefill_h200_v6, where gate_up at 2048 = 51 rows a block was level).
     """
 
-    decode_max_m: int = 128
-    dequant_min_m: int = 129
+    decode_max_m: int = 96
+    dequant_min_m: int = 97
     core_m_per_kblock: int = 48
 
     def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:
