@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 import escha  # noqa: E402
 from escha.bench.report import git_sha  # noqa: E402
 from escha.model import QuantizeOptions, load_model  # noqa: E402
-from escha.model.evaluate import encode_text, perplexity, read_text  # noqa: E402
+from escha.model.evaluate import encode_text, perplexity, read_text, window_starts  # noqa: E402
 from escha.model.fakequant import fake_quantize_module  # noqa: E402
 from escha.nn import set_matmul_precision  # noqa: E402
 from escha.quant import scalar  # noqa: E402
@@ -266,15 +266,43 @@ class Bench:
             q["report"] = json.load(f)
         return q
 
+    def eval_gap_text(self) -> tuple[str, int, int]:
+        """The evaluation text outside its perplexity windows, as a calibration file: every stretch
+        between two windows (and before the first, after the last) less a 64-token margin at each
+        end, decoded to text, one paragraph each. Returns (path, tokens, stretches): calibration
+        and evaluation text disjoint, from the same book."""
+        path = os.path.join(self.args.work, "kjv_outside_eval_windows.txt")
+        starts, _ = window_starts(self.ids.numel(), self.args.seq_len, self.args.windows)
+        margin, pieces, tokens, prev_end = 64, [], 0, None
+        for s in sorted(starts) + [self.ids.numel() + margin]:
+            lo = 0 if prev_end is None else prev_end + margin
+            hi = s - margin
+            if hi - lo >= 256:
+                pieces.append(" ".join(self.tok.decode(self.ids[lo:hi].tolist()).split()))
+                tokens += hi - lo
+            prev_end = s + self.args.seq_len
+        os.makedirs(self.args.work, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n\n".join(pieces) + "\n")
+        return path, tokens, len(pieces)
+
     def escha_row(self, cfg: str, gen: bool) -> dict:
         base, seed = parse_config(cfg)
         mode = ["--bpw", base[3:]] if base.startswith("bpw") else ["--bits", base[4:]]
         if seed is not None:
             mode += ["--seed", str(seed)]
+        extra, calib_text = self.calib_args(), None
+        if in_domain(cfg):
+            path, tokens, pieces = self.eval_gap_text()
+            extra += ["--calib", path]
+            calib_text = (f"the evaluation text outside its {self.args.windows} windows (64-token margins): "
+                          f"{tokens:,} tokens in {pieces} stretches")
         out = os.path.join(self.args.work, f"escha_{cfg}")
-        q = self.quantize_cli(out, mode, self.calib_args())
+        q = self.quantize_cli(out, mode, extra)
         rep = q.pop("report")
-        row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else ""), "key": cfg,
+        row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else "")
+                         + (", calibrated on the KJV outside the evaluation windows" if calib_text else ""),
+               "key": cfg, **({"calibration_text": calib_text} if calib_text else {}),
                "seed": seed or 0, "stored_bpw": rep["storage_bpw"], "nominal_bpw": rep["mean_bits"],
                **q, "calibration": rep["calibration"], "hessian": rep["hessian"],
                "per_layer": [{k: r[k] for k in ("layer", "mean_bits", "storage_bpw", "proxy_rel", "weight_rel", "seconds")}
@@ -391,13 +419,22 @@ def _version(mod: str) -> str | None:
         return None
 
 
+IN_DOMAIN = "-kjv"  # configuration suffix: calibrate on the evaluation text outside its windows
+
+
 def parse_config(cfg: str) -> tuple[str, int | None]:
     """An escha configuration name: "bits2", "bits3", "bpw2.5", each with an optional "-sN" for
-    the sign seed N (default 0, escha quantize's): ("bits2", None), ("bits3", 2) for "bits3-s2"."""
-    base, sep, seed = cfg.partition("-s")
+    the sign seed N (default 0, escha quantize's): ("bits2", None), ("bits3", 2) for "bits3-s2";
+    then optionally "-kjv" (``in_domain``), which does not change the pair."""
+    base, sep, seed = cfg.removesuffix(IN_DOMAIN).partition("-s")
     if not (base.startswith("bits") or base.startswith("bpw")) or (sep and not seed.isdigit()):
-        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN")
+        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN, then -kjv")
     return base, int(seed) if sep else None
+
+
+def in_domain(cfg: str) -> bool:
+    """Whether the configuration calibrates on the evaluation text outside its windows."""
+    return cfg.endswith(IN_DOMAIN)
 
 
 def seed_spread(rows: list[dict]) -> list[dict]:
@@ -406,7 +443,7 @@ def seed_spread(rows: list[dict]) -> list[dict]:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if r.get("key", "").startswith(("bits", "bpw")) and r.get("perplexity") is not None:
-            groups.setdefault(parse_config(r["key"])[0], []).append(r)
+            groups.setdefault(parse_config(r["key"])[0] + (IN_DOMAIN if in_domain(r["key"]) else ""), []).append(r)
     out = []
     for base, rs in sorted(groups.items()):
         if len({r.get("seed", 0) for r in rs}) < 2:

@@ -20,6 +20,9 @@
 # PHASE "llm-seeds" (after "llm-stage", like "llm"): K=2 and K=3 at sign seeds 1 and 2, to set
 #                  against the seed-0 rows of llm_h200_shared.json: the spread one quantization's
 #                  random signs alone cause.
+# PHASE "llm-kjv" (after "llm-stage", like "llm"): K=3 and K=2 calibrated on the KJV outside the
+#                  perplexity windows (configurations "-kjv": disjoint text from the evaluated book),
+#                  and at sign seed 1, beside the seed-0 rows of llm_h200_shared.json.
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
@@ -32,7 +35,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, compile, llm-stage, llm, llm-seeds or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -102,6 +105,16 @@ case "$phase" in
     step llm_seeds 540 python benchmarks/bench_llm.py --device cuda --gguf /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
       --eval-text /tmp/llm/kjv.txt --work /tmp/llm/work --parts escha --configs bits2-s1,bits2-s2,bits3-s1,bits3-s2 \
       --no-generate --merge --out "$out/llm_h200_seeds.json"
+    ;;
+  llm-kjv)
+    cat /tmp/llm/smollm2.gguf.part00 .whl2/smollm2.gguf.part01 > /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
+      && xz -dc /tmp/llm/kjv.txt.xz > /tmp/llm/kjv.txt \
+      && python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm/gguf-*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    cp benchmarks/results/llm_h200_shared.json "$out/llm_h200_kjv.json"  # the rows it adds to
+    step llm_kjv 560 python benchmarks/bench_llm.py --device cuda --gguf /tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --eval-text /tmp/llm/kjv.txt --work /tmp/llm/work --parts escha --configs ${LLM_CONFIGS:-bits3-kjv,bits2-kjv,bits3-s1,bits2-s1} \
+      --no-generate --merge --out "$out/llm_h200_kjv.json"
     ;;
   sweep)
     ARMS=escha,escha-decode,escha-decode-wgmma,escha-prefill,escha-dequant-core-fp8,escha-dequant-fp8,torch-bf16,torch-fp8

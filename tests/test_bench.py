@@ -642,3 +642,28 @@ def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
         "        /*0050*/                   EXIT ;"])
     assert cs.loop_census(sass) == {"IMAD": 1, "LOP3": 1, "PRMT": 1, "BRA": 1}
     assert [cs.token_block(m) for m in (1, 8, 9, 16, 24, 64, 65, 200, 300)] == [8, 8, 16, 16, 32, 64, 128, 256, 256]
+
+
+def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
+    """"-kjv" configurations calibrate on the evaluation text outside its windows: every token
+    more than 64 from a window, none inside one or its margins."""
+    bench = _script("bench_llm")
+    assert bench.parse_config("bits3-s1-kjv") == ("bits3", 1) and bench.in_domain("bits3-kjv")
+    assert not bench.in_domain("bits3-s1")
+
+    class Words:  # token i decodes to the word "w<i>": the test can read back which tokens were used
+        def decode(self, ids):
+            return " ".join(f"w{i}" for i in ids)
+
+    b = object.__new__(bench.Bench)
+    b.args = argparse.Namespace(work=str(tmp_path), seq_len=100, windows=5)
+    b.ids, b.tok = torch.arange(10_000), Words()
+    path, tokens, pieces = b.eval_gap_text()
+    used = {int(w[1:]) for w in open(path).read().split()}
+    starts, _ = bench.window_starts(10_000, 100, 5)
+    near = {i for s in starts for i in range(s - 64, s + 100 + 64)}
+    # The first window starts at token 0: a stretch after each window, none before the first.
+    assert used == set(range(10_000)) - near and tokens == len(used) and pieces == len(starts)
+    rows = [{"key": "bits3", "perplexity": 20.0}, {"key": "bits3-s1", "seed": 1, "perplexity": 21.0},
+            {"key": "bits3-kjv", "perplexity": 18.0}]
+    assert [g["config"] for g in bench.seed_spread(rows)] == ["bits3"]  # in-domain rows are not seeds of bits3
