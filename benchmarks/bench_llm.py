@@ -640,7 +640,10 @@ def main() -> int:
                         "calibration": ("escha's shipped corpus (escha/model/data/calib_en.txt.xz: Python docs, Jargon "
                                         "File, Devil's Dictionary), " +
                                         (f"{args.calib_samples or 128} x {args.calib_seq_len or 2048} tokens"
-                                         if args.calib_samples or args.calib_seq_len else "defaults 128 x 2048 tokens"))}}
+                                         if args.calib_samples or args.calib_seq_len else "defaults 128 x 2048 tokens")
+                                        + ("; configurations ending in -kjv: the evaluation text outside its windows "
+                                           "(64-token margins), disjoint from the evaluated text"
+                                           if any(in_domain(c) for c in args.configs.split(",")) else ""))}}
     if args.merge and os.path.isfile(out):
         with open(out) as f:
             old = json.load(f)

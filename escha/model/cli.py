@@ -26,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="target mean bits per weight; K in {2,3} per Linear by measured sensitivity")
     p.add_argument("--calib", metavar="FILE", default=None,
                    help="UTF-8 calibration text (paragraphs split on blank lines); default: the English "
-                        "corpus shipped with escha (about 790k tokens)")
+                        "corpus shipped with escha (about 790k tokens). Text like the model's own use is "
+                        "worth more: on SmolLM2-135M, in-domain text cut K=3 perplexity by 11%%, K=2 by 21%%")
     p.add_argument("--skip", default="", metavar="LIST",
                    help="comma-separated module names or globs left unquantized, in addition to lm_head "
                         "(a pattern that matches no Linear is reported)")
