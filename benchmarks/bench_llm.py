@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,8 @@ class Bench:
         mode = ["--bpw", base[3:]] if base.startswith("bpw") else ["--bits", base[4:]]
         if seed is not None:
             mode += ["--seed", str(seed)]
+        if true_sequential(cfg):
+            mode += ["--true-sequential"]
         extra, calib_text = self.calib_args(), None
         if in_domain(cfg):
             path, tokens, pieces = self.eval_gap_text()
@@ -301,6 +304,7 @@ class Bench:
         q = self.quantize_cli(out, mode, extra)
         rep = q.pop("report")
         row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else "")
+                         + (", true-sequential" if true_sequential(cfg) else "")
                          + (", calibrated on the KJV outside the evaluation windows" if calib_text else ""),
                "key": cfg, **({"calibration_text": calib_text} if calib_text else {}),
                "seed": seed or 0, "stored_bpw": rep["storage_bpw"], "nominal_bpw": rep["mean_bits"],
@@ -420,15 +424,17 @@ def _version(mod: str) -> str | None:
 
 
 IN_DOMAIN = "-kjv"  # configuration suffix: calibrate on the evaluation text outside its windows
+TRUE_SEQUENTIAL = "-ts"  # configuration suffix (before -kjv): escha quantize --true-sequential
 
 
 def parse_config(cfg: str) -> tuple[str, int | None]:
     """An escha configuration name: "bits2", "bits3", "bpw2.5", each with an optional "-sN" for
     the sign seed N (default 0, escha quantize's): ("bits2", None), ("bits3", 2) for "bits3-s2";
-    then optionally "-kjv" (``in_domain``), which does not change the pair."""
-    base, sep, seed = cfg.removesuffix(IN_DOMAIN).partition("-s")
-    if not (base.startswith("bits") or base.startswith("bpw")) or (sep and not seed.isdigit()):
-        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN, then -kjv")
+    then optionally "-ts" (``true_sequential``) and "-kjv" (``in_domain``), which do not change
+    the pair."""
+    base, sep, seed = cfg.removesuffix(IN_DOMAIN).removesuffix(TRUE_SEQUENTIAL).partition("-s")
+    if not re.fullmatch(r"bits\d|bpw\d+(\.\d+)?", base) or (sep and not seed.isdigit()):
+        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN, -ts, -kjv")
     return base, int(seed) if sep else None
 
 
@@ -437,13 +443,23 @@ def in_domain(cfg: str) -> bool:
     return cfg.endswith(IN_DOMAIN)
 
 
+def true_sequential(cfg: str) -> bool:
+    """Whether the configuration quantizes each layer's Linears stage by stage (--true-sequential)."""
+    return cfg.removesuffix(IN_DOMAIN).endswith(TRUE_SEQUENTIAL)
+
+
+def variant(cfg: str) -> str:
+    """The suffixes of a configuration that change what is measured (not the sign seed)."""
+    return (TRUE_SEQUENTIAL if true_sequential(cfg) else "") + (IN_DOMAIN if in_domain(cfg) else "")
+
+
 def seed_spread(rows: list[dict]) -> list[dict]:
     """Per escha configuration with rows at two or more sign seeds: the perplexities, their mean
     and their range (what one quantization's random signs alone move)."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if r.get("key", "").startswith(("bits", "bpw")) and r.get("perplexity") is not None:
-            groups.setdefault(parse_config(r["key"])[0] + (IN_DOMAIN if in_domain(r["key"]) else ""), []).append(r)
+            groups.setdefault(parse_config(r["key"])[0] + variant(r["key"]), []).append(r)
     out = []
     for base, rs in sorted(groups.items()):
         if len({r.get("seed", 0) for r in rs}) < 2:

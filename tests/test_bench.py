@@ -601,7 +601,7 @@ def test_llm_sign_seed_configurations_and_their_spread(tmp_path):
     spread line (perplexities in seed order, mean, max / min); a bad name is refused."""
     bench, res = _llm_result(["1536x576"])
     assert bench.parse_config("bits2") == ("bits2", None) and bench.parse_config("bpw2.5-s12") == ("bpw2.5", 12)
-    for bad in ("bits2-sx", "k2", "bits2-s"):
+    for bad in ("bits2-sx", "k2", "bits2-s", "bits2-kjv-ts"):
         with pytest.raises(ValueError, match="expected bits2"):
             bench.parse_config(bad)
     res["settings"]["smoke"] = False
@@ -650,6 +650,9 @@ def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
     bench = _script("bench_llm")
     assert bench.parse_config("bits3-s1-kjv") == ("bits3", 1) and bench.in_domain("bits3-kjv")
     assert not bench.in_domain("bits3-s1")
+    assert bench.parse_config("bits2-s2-ts-kjv") == ("bits2", 2) and bench.true_sequential("bits2-s2-ts-kjv")
+    assert bench.true_sequential("bits3-ts") and not bench.true_sequential("bits3-s1-kjv")
+    assert bench.variant("bits2-s2-ts-kjv") == "-ts-kjv" and bench.variant("bits2-s4") == ""
 
     class Words:  # token i decodes to the word "w<i>": the test can read back which tokens were used
         def decode(self, ids):

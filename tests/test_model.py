@@ -242,6 +242,37 @@ def test_hessian_reaches_the_encoder(tiny, monkeypatch):
     assert report.hessian.startswith("used") and all(s.hessian == "used" for s in report.stats)
 
 
+def test_true_sequential_takes_later_hessians_after_earlier_stages(tiny, monkeypatch):
+    """With true_sequential, layer 0's o_proj Hessian comes from a pass with q/k/v already
+    quantized (it differs from the one-pass Hessian, which equals the unquantized layer's), while
+    q/k/v's own Hessian is the same either way; both runs finish every Linear."""
+    seen: dict[bool, dict] = {}
+    real = engine.quant.quantize
+
+    def run(true_sequential):
+        got = seen.setdefault(true_sequential, {})
+
+        def spy(w, bits, hessian=None, seed=0, **kw):
+            got.setdefault(tuple(w.shape), hessian.clone())
+            return real(w, bits=bits, hessian=None, seed=seed, encoder="greedy")
+
+        monkeypatch.setattr(engine.quant, "quantize", spy)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
+        report = quantize_module(model, QuantizeOptions(bits=2, seq_len=48, max_samples=4, progress=False,
+                                                        true_sequential=true_sequential))
+        assert len(report.stats) == N_LINEARS
+        return report
+
+    run(False)
+    run(True)
+    o_shape, down_shape = (64, 64), (64, 160)  # o_proj [hidden, heads*dim]; down_proj [hidden, inter]
+    for shape in (o_shape, down_shape):  # first seen: layer 0's
+        a, b = seen[False][shape], seen[True][shape]
+        assert a.shape == b.shape and not torch.allclose(a, b, rtol=1e-3, atol=1e-6), shape
+    ident = QuantizeOptions(true_sequential=True).identity({})
+    assert ident["true_sequential"] is True and QuantizeOptions().identity({})["true_sequential"] is False
+
+
 # -- bad input --------------------------------------------------------------------------------
 def test_missing_model_dir_and_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):

@@ -40,6 +40,11 @@ class QuantizeOptions:
     max_samples: int = 128
     encoder: str | None = None  # escha.quantize's encoder ("viterbi", "greedy"); None = its default
     use_hessian: bool = True  # pass calibration Hessians to the encoder (LDLQ)
+    # Within a layer, quantize the Linears in the order the forward pass reads them (q/k/v, then
+    # o, then gate/up, then down), each stage's Hessians taken with the stages before it already
+    # quantized (GPTQ's "true sequential"); off: every Linear of a layer from one pass of the
+    # unquantized layer. One more calibration pass of the layer per stage.
+    true_sequential: bool = False
     dtype: str = "float32"  # compute dtype of the calibration forward passes
     progress: bool | None = None  # a bar on stderr: None = when stderr is a terminal
 

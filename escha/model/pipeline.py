@@ -195,13 +195,38 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
     return bool(tail)
 
 
-def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, index: int):
+def _collect(calib: Calibration, layer: nn.Module, linears) -> HessianCollector:
+    """Hessians (and shared inputs) of ``linears`` from one calibration pass of ``layer``."""
     collector = HessianCollector(linears)
     try:
         calib.run(layer)
     finally:
         collector.remove()
-    return quantize_linears(linears, collector, index, run.options, run.progress)
+    return collector
+
+
+def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, index: int):
+    collector = _collect(calib, layer, linears)
+    if not run.options.true_sequential:
+        return quantize_linears(linears, collector, index, run.options, run.progress)
+    # Stages in the order the layer reads its Linears (the readers of one input together); a
+    # stage's Hessians come from a pass with the stages before it installed at propagate_bits.
+    modules = dict(linears)
+    stages = [[n for n in names if n in modules] for names in collector.shared_inputs()]
+    seen = {n for names in stages for n in names}
+    stages = [names for names in stages if names] + [[n] for n, _ in linears if n not in seen]
+    qws: Candidates = {}
+    stats: list[LinearStats] = []
+    for i, names in enumerate(stages):
+        members = [(n, modules[n]) for n in names]
+        if i > 0:
+            collector = _collect(calib, layer, members)
+        stage_qws, stage_stats = quantize_linears(members, collector, index, run.options, run.progress)
+        run.install(members, stage_qws, run.options.propagate_bits, dense=True)
+        qws.update(stage_qws)
+        stats += stage_stats
+    order = {n: i for i, (n, _) in enumerate(linears)}
+    return qws, sorted(stats, key=lambda st: order[st.name])
 
 
 def _quantize_tail(run: _Run, calib: Calibration, samples, tail):
