@@ -644,6 +644,25 @@ def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
     assert [cs.token_block(m) for m in (1, 8, 9, 16, 24, 64, 65, 200, 300)] == [8, 8, 16, 16, 32, 64, 128, 256, 256]
 
 
+def test_census_dequant_counts_a_program_and_reads_the_part_arms(tmp_path):
+    """A straight-line kernel is counted whole (predicates and modifiers stripped); per weight a
+    warp instruction counts 32 lanes per warp; the measured time is the median over M of the
+    kernel's part arm."""
+    cd = _script("census_dequant")
+    sass = "\n".join(["        /*0000*/                   IMAD R2, R3, R4, R5 ;",
+                      "        /*0010*/               @P0 SHF.L.U32 R2, R2, 0x2, RZ ;",
+                      "        /*0020*/                   FMUL R6, R2, 64 ;",
+                      "        /*0030*/                   EXIT ;"])
+    assert cd.program_census(sass) == {"IMAD": 1, "SHF": 1, "FMUL": 1, "EXIT": 1}
+    c = cd.census({"sass": sass, "loop": False, "num_warps": 4, "weights": 256, "config": [1]})
+    assert c["int_ops_per_weight"] == 2 * 128 / 256 and c["instructions_per_weight"] == 4 * 128 / 256
+    rows = [{"arm": "part-x", "shape": "gate_up", "us": us} for us in (30.0, 10.0, 20.0)]
+    rows.append({"arm": "part-dequant-fp8", "shape": "down", "us": 5.0})
+    path = tmp_path / "prefill.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert cd.measured(str(path), "part-x") == {("plain", "gate_up"): 20.0, ("folded", "down"): 5.0}
+
+
 def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
     """"-kjv" configurations calibrate on the evaluation text outside its windows: every token
     more than 64 from a window, none inside one or its margins."""
