@@ -294,6 +294,8 @@ class Bench:
             mode += ["--seed", str(seed)]
         if true_sequential(cfg):
             mode += ["--true-sequential"]
+        if sign_draws(cfg) > 1:
+            mode += ["--sign-draws", str(sign_draws(cfg))]
         extra, calib_text = self.calib_args(), None
         if in_domain(cfg):
             path, tokens, pieces = self.eval_gap_text()
@@ -304,6 +306,7 @@ class Bench:
         q = self.quantize_cli(out, mode, extra)
         rep = q.pop("report")
         row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else "")
+                         + (f", best of {sign_draws(cfg)} sign draws" if sign_draws(cfg) > 1 else "")
                          + (", true-sequential" if true_sequential(cfg) else "")
                          + (", calibrated on the KJV outside the evaluation windows" if calib_text else ""),
                "key": cfg, **({"calibration_text": calib_text} if calib_text else {}),
@@ -423,34 +426,49 @@ def _version(mod: str) -> str | None:
         return None
 
 
-IN_DOMAIN = "-kjv"  # configuration suffix: calibrate on the evaluation text outside its windows
-TRUE_SEQUENTIAL = "-ts"  # configuration suffix (before -kjv): escha quantize --true-sequential
+
+
+CONFIG = re.compile(r"(?P<base>bits\d|bpw\d+(?:\.\d+)?)(?:-s(?P<seed>\d+))?(?:-d(?P<draws>\d+))?"
+                    r"(?P<ts>-ts)?(?P<kjv>-kjv)?")
+
+
+def _match(cfg: str) -> re.Match:
+    m = CONFIG.fullmatch(cfg)
+    if m is None:
+        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN, -dN, "
+                         f"-ts, -kjv (in that order)")
+    return m
 
 
 def parse_config(cfg: str) -> tuple[str, int | None]:
     """An escha configuration name: "bits2", "bits3", "bpw2.5", each with an optional "-sN" for
     the sign seed N (default 0, escha quantize's): ("bits2", None), ("bits3", 2) for "bits3-s2";
-    then optionally "-ts" (``true_sequential``) and "-kjv" (``in_domain``), which do not change
-    the pair."""
-    base, sep, seed = cfg.removesuffix(IN_DOMAIN).removesuffix(TRUE_SEQUENTIAL).partition("-s")
-    if not re.fullmatch(r"bits\d|bpw\d+(\.\d+)?", base) or (sep and not seed.isdigit()):
-        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN, -ts, -kjv")
-    return base, int(seed) if sep else None
+    then optionally "-dN" (``sign_draws``), "-ts" (``true_sequential``) and "-kjv"
+    (``in_domain``), which do not change the pair."""
+    m = _match(cfg)
+    return m["base"], None if m["seed"] is None else int(m["seed"])
+
+
+def sign_draws(cfg: str) -> int:
+    """The configuration's escha quantize --sign-draws (1 without "-dN")."""
+    d = _match(cfg)["draws"]
+    return 1 if d is None else int(d)
 
 
 def in_domain(cfg: str) -> bool:
     """Whether the configuration calibrates on the evaluation text outside its windows."""
-    return cfg.endswith(IN_DOMAIN)
+    return _match(cfg)["kjv"] is not None
 
 
 def true_sequential(cfg: str) -> bool:
     """Whether the configuration quantizes each layer's Linears stage by stage (--true-sequential)."""
-    return cfg.removesuffix(IN_DOMAIN).endswith(TRUE_SEQUENTIAL)
+    return _match(cfg)["ts"] is not None
 
 
 def variant(cfg: str) -> str:
     """The suffixes of a configuration that change what is measured (not the sign seed)."""
-    return (TRUE_SEQUENTIAL if true_sequential(cfg) else "") + (IN_DOMAIN if in_domain(cfg) else "")
+    m = _match(cfg)
+    return "".join(f"-d{m['draws']}" if k == "draws" else m[k] for k in ("draws", "ts", "kjv") if m[k] is not None)
 
 
 def seed_spread(rows: list[dict]) -> list[dict]:

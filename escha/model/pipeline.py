@@ -61,7 +61,7 @@ class _Run:
     stack: nn.ModuleList
     options: QuantizeOptions
     device: torch.device
-    progress: tqdm  # counts tiles, every candidate K: tile_count(shape) * len(options.candidates)
+    progress: tqdm  # counts tiles, every candidate K and sign draw: tile_count(shape) * len(candidates) * sign_draws
     stats: list[LinearStats] = field(default_factory=list)
     layer_seconds: dict[int, float] = field(default_factory=dict)
     resumed: list[int] = field(default_factory=list)
@@ -241,7 +241,7 @@ def _weight_tiles(linears: list[tuple[str, nn.Module]]) -> int:
 
 def _tiles(linears: list[tuple[str, nn.Module]], options: QuantizeOptions) -> int:
     """Tiles the encoder processes for these Linears: every tile once per candidate K."""
-    return _weight_tiles(linears) * len(options.candidates)
+    return _weight_tiles(linears) * len(options.candidates) * options.sign_draws
 
 
 def quantization_targets(model: nn.Module, options: QuantizeOptions) -> list[tuple[str, nn.Module]]:
@@ -269,15 +269,16 @@ def _notice_if_slow(linears: list[tuple[str, nn.Module]], options: QuantizeOptio
     if options.encoder == "greedy" or not linears:
         return
     tiles = _weight_tiles(linears)
-    gpu = sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
-    work = f"encoding {len(linears)} Linears ({tiles:,} tiles at K={'/'.join(map(str, options.candidates))})"
+    gpu = options.sign_draws * sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
+    draws = f", {options.sign_draws} sign draws each" if options.sign_draws > 1 else ""
+    work = f"encoding {len(linears)} Linears ({tiles:,} tiles at K={'/'.join(map(str, options.candidates))}{draws})"
     if device.type == "cuda":
         if gpu >= GPU_SLOW_SECONDS:
             warnings.warn(f"{work} will take about {format_seconds(gpu)} at the H200's measured rate "
                           f"(other GPUs differ), calibration not included", SlowWorkWarning, stacklevel=3)
         return
     threads = torch.get_num_threads()
-    seconds = sum(estimate_seconds(tiles, k, device, threads=threads) for k in options.candidates)
+    seconds = options.sign_draws * sum(estimate_seconds(tiles, k, device, threads=threads) for k in options.candidates)
     if seconds >= SLOW_SECONDS:
         warnings.warn(f"{work} will take about {format_seconds(seconds)} on this CPU, calibration not "
                       f"included; an H200 takes ~{format_seconds(gpu)}: run on a machine with a CUDA GPU "
