@@ -218,10 +218,29 @@ def measure(model, batch: int, args, device: torch.device) -> dict:
     raise RuntimeError(f"every decode mode failed: {errors}")
 
 
+def prefill_times(model, tokens: int, args, device: torch.device) -> dict:
+    """One prompt of ``tokens`` tokens through the whole model (batch 1, no cache: the forward a
+    prompt costs before its first new token), eager, after two warm-up passes; best of the
+    repeats. escha's Linears take their prompt-length paths here (dequantize-once past 96 tokens)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device,
+                        generator=torch.Generator(device=device).manual_seed(2))
+    times = []
+    with torch.no_grad():
+        for i in range(2 + args.repeats):
+            sync(device)
+            t = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+    best = min(times)
+    return {"prompt_tokens": tokens, "seconds": times, "ms": 1e3 * best, "tokens_per_s": tokens / best}
+
+
 # The kernels of an escha.matmul call, by role (their Triton names; the profiler reports those).
-ESCHA_GEMMS = ("_decode_wgmma_kernel", "_decode_kernel", "prefill_kernel", "dequant_hn_kernel")
+ESCHA_GEMMS = ("_decode_wgmma_kernel", "_decode_kernel", "prefill_kernel", "dequant_hn_kernel", "_dequant_kernel")
 ESCHA_TRANSFORMS = ("_input_transform_kernel", "_output_transform_kernel", "absmax_kernel", "quantize_kernel",
-                    "transform_bf16_kernel")
+                    "transform_bf16_kernel", "_output_hadamard_kernel")
 
 
 def kernel_role(name: str) -> str:
@@ -275,6 +294,9 @@ def common_arguments(ap: argparse.ArgumentParser, arms: str) -> argparse.Argumen
     """The options this script shares with bench_e2e_tp.py (after its --device and --tiny)."""
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 40, as Qwen3-14B)")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prefill", default="",
+                    help="comma-separated prompt lengths to time as one forward each (time to first token); "
+                         "empty: none")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -302,6 +324,11 @@ def summarize(arms: dict, args, shape: dict, config, device: torch.device) -> di
         base = {r["batch"]: r["tokens_per_s"] for r in arms["bf16"]["rows"]}
         results["speedup_over_bf16"] = {a: {str(r["batch"]): r["tokens_per_s"] / base[r["batch"]] for r in v["rows"]
                                             if r["batch"] in base} for a, v in arms.items() if a != "bf16"}
+    if "bf16" in arms and any("prefill" in v for v in arms.values()):  # prompt time against bf16's
+        base = {r["prompt_tokens"]: r["ms"] for r in arms["bf16"].get("prefill", [])}
+        results["prefill_time_over_bf16"] = {a: {str(r["prompt_tokens"]): r["ms"] / base[r["prompt_tokens"]]
+                                                 for r in v.get("prefill", []) if r["prompt_tokens"] in base}
+                                             for a, v in arms.items() if a != "bf16"}
     if {"bf16", "escha"} <= set(arms):
         sp = {}
         for rb, re in zip(arms["bf16"]["rows"], arms["escha"]["rows"]):
@@ -355,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{arm:6s} batch {b}: {profiles[-1]['kernel_launches']} kernel launches a step, "
                       f"{profiles[-1]['escha_matmul_calls']} escha.matmul calls", flush=True)
         arms[arm] = {"rows": rows, "weights_bytes_on_device": mem}
+        for tokens in [int(t) for t in args.prefill.split(",") if t]:
+            arms[arm].setdefault("prefill", []).append(prefill_times(model, tokens, args, device))
+            print(f"{arm:6s} prompt {tokens}: {arms[arm]['prefill'][-1]['ms']:.2f} ms", flush=True)
         if profiles:
             arms[arm]["launch_profile"] = profiles
         del model

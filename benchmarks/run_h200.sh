@@ -29,7 +29,8 @@
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
 # PHASE "e2e":     the prefill benchmark (bench_prefill.py), then end-to-end decode, Qwen3-14B-
 #                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
-#                  escha-unshared, with a profiled step per batch.
+#                  escha-unshared, with a profiled step per batch; and one prompt of 512, 2048 and 8192
+#                  tokens through each (time to first token).
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
@@ -136,8 +137,8 @@ case "$phase" in
     ;;
   e2e)
     step prefill 100 python benchmarks/bench_prefill.py --out "$out/prefill"
-    step e2e 240 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
-      --out "$out/e2e_h200.json"
+    step e2e 300 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
+      --prefill 512,2048,8192 --out "$out/e2e_h200.json"
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \

@@ -522,8 +522,14 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
     def rows(tokens_per_s):
         return [{"batch": b, "tokens_per_s": t} for b, t in zip((1, 8), tokens_per_s)]
 
-    arms = {"bf16": {"rows": rows((10.0, 40.0))}, "escha": {"rows": rows((20.0, 60.0))}}
+    arms = {"bf16": {"rows": rows((10.0, 40.0)), "prefill": [{"prompt_tokens": 512, "ms": 8.0}]},
+            "escha": {"rows": rows((20.0, 60.0)), "prefill": [{"prompt_tokens": 512, "ms": 6.0}]}}
     e2e.write_results(e2e.summarize(arms, args, shape, config, cpu), str(out))
+    assert json.loads(out.read_text())["prefill_time_over_bf16"] == {"escha": {"512": 0.75}}
+    # One real prompt through the tiny escha model on the CPU (reference paths): timed and counted.
+    got = e2e.prefill_times(e2e.build(config, "escha", cpu, args.bits), 130, e2e.parser().parse_args(
+        ["--tiny", "--device", "cpu", "--repeats", "1"]), cpu)
+    assert got["prompt_tokens"] == 130 and len(got["seconds"]) == 1 and got["tokens_per_s"] > 0
     back = json.loads(out.read_text())
     assert back["config"] == shape and back["layers"] == 2 and back["model"].startswith("tiny")
     assert back["speedup_escha_over_bf16"] == {"1": 2.0, "8": 1.5} and back["target_batch1"]["met"]
