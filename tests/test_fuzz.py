@@ -96,6 +96,8 @@ def test_fuzz_matmul(out, inp, m, dtype, bits, path, seed, norm):
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**CASE)
 def test_fuzz_matmul_long(out, inp, m, dtype, bits, path, seed, norm):
+    # ESCHA_FUZZ_PATH=<path> runs every case on that path (a new path's own long run).
+    path = os.environ.get("ESCHA_FUZZ_PATH") or path
     summary[check_case(out, inp, m, dtype, bits, path, seed, norm)] += 1
     summary["cases"] += 1
     target = os.environ.get("ESCHA_FUZZ_SUMMARY")
