@@ -118,12 +118,11 @@ def sass_census(kernel, cfg) -> dict:
                             getattr(kernel, "n_spills", None))
 
 
-def loop_census(sass: str) -> dict[str, int]:
-    """Opcode counts of the loop body: the longest region closed by a backward branch.
+def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
+    """The instructions of a SASS listing in order, and each label's position among them.
 
     Understands both disassembly styles: labels ``LBB0:`` with ``ctrl<TAB>OP ...;`` lines (the
     Triton handle's ``asm['sass']``) and ``/*addr*/ OP ...;`` lines with ``.L_x_N:`` labels.
-    Predicates and opcode modifiers are stripped (``@P0 LOP3.LUT`` counts as ``LOP3``).
     """
     instrs, labels = [], {}
     for ln in sass.splitlines():
@@ -134,6 +133,22 @@ def loop_census(sass: str) -> dict[str, int]:
         im = re.match(r"^\s*(?:/\*[0-9a-f]+\*/|[-\w]+:[-\w]+:[-\w]+:[-\w]+:\w+)\s+(.*?)\s*;", ln)
         if im:
             instrs.append(im.group(1))
+    return instrs, labels
+
+
+def opcode_counts(instrs: list[str]) -> dict[str, int]:
+    """Opcode counts of instructions, predicates and modifiers stripped (``@P0 LOP3.LUT`` is ``LOP3``)."""
+    counts: dict[str, int] = {}
+    for ins in instrs:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def loop_census(sass: str) -> dict[str, int]:
+    """Opcode counts of the loop body: the longest region closed by a backward branch
+    (``sass_instructions``' two listing styles; ``opcode_counts``' stripping)."""
+    instrs, labels = sass_instructions(sass)
     best = (0, 0)
     for i, ins in enumerate(instrs):
         bm = re.search(r"BRA\s+`?\(?(\.?L\w+)", ins)
@@ -141,11 +156,7 @@ def loop_census(sass: str) -> dict[str, int]:
             start = labels[bm.group(1)]
             if i - start > best[1] - best[0]:
                 best = (start, i)
-    counts: dict[str, int] = {}
-    for ins in instrs[best[0]:best[1] + 1]:
-        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
-        counts[op] = counts.get(op, 0) + 1
-    return counts
+    return opcode_counts(instrs[best[0]:best[1] + 1])
 
 
 def census_from_sass(sass: str, cfg, regs=None, spills=None) -> dict:

@@ -428,7 +428,7 @@ def _version(mod: str) -> str | None:
 
 
 
-CONFIG = re.compile(r"(?P<base>bits\d|bpw\d+(?:\.\d+)?)(?:-s(?P<seed>\d+))?(?:-d(?P<draws>\d+))?"
+CONFIG = re.compile(r"(?P<base>bits\d|bpw\d+(?:\.\d+)?)(?:-s(?P<seed>\d+))?(?P<d>-d(?P<draws>\d+))?"
                     r"(?P<ts>-ts)?(?P<kjv>-kjv)?")
 
 
@@ -468,7 +468,7 @@ def true_sequential(cfg: str) -> bool:
 def variant(cfg: str) -> str:
     """The suffixes of a configuration that change what is measured (not the sign seed)."""
     m = _match(cfg)
-    return "".join(f"-d{m['draws']}" if k == "draws" else m[k] for k in ("draws", "ts", "kjv") if m[k] is not None)
+    return "".join(m[k] or "" for k in ("d", "ts", "kjv"))
 
 
 def seed_spread(rows: list[dict]) -> list[dict]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from bench_decode import INT_OPS, loop_census  # noqa: E402
+from bench_decode import INT_OPS, loop_census, opcode_counts, sass_instructions  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
 SMS, INT_PER_CLOCK, CLOCK_HZ = 132, 64, 1.98e9
@@ -85,13 +84,7 @@ def compile_sass() -> dict:
 
 def program_census(sass: str) -> dict[str, int]:
     """Opcode counts of a whole kernel (a straight-line program: no loop to pick out)."""
-    counts: dict[str, int] = {}
-    for ln in sass.splitlines():
-        im = re.match(r"^\s*(?:/\*[0-9a-f]+\*/|[-\w]+:[-\w]+:[-\w]+:[-\w]+:\w+)\s+(.*?)\s*;", ln)
-        if im:
-            op = re.sub(r"^@!?U?P\w+\s+", "", im.group(1)).split()[0].split(".")[0]
-            counts[op] = counts.get(op, 0) + 1
-    return counts
+    return opcode_counts(sass_instructions(sass)[0])
 
 
 def census(entry: dict) -> dict:

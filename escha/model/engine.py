@@ -171,6 +171,21 @@ def measure(w: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor) -> tupl
     return proxy, proxy / base if base > 0 else 0.0, float(e.pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
 
 
+def input_groups(linears: list[tuple[str, nn.Linear]], hessians: HessianCollector) -> list[list[str]]:
+    """The names of ``linears`` grouped by the input they read, in the order of their first call
+    (``hessians.shared_inputs()``), then each Linear the calibration never called, alone."""
+    names = {n for n, _ in linears}
+    groups = [[n for n in run if n in names] for run in hessians.shared_inputs()]
+    seen = {n for g in groups for n in g}
+    return [g for g in groups if g] + [[n] for n, _ in linears if n not in seen]
+
+
+def in_order(stats: list[LinearStats], linears: list[tuple[str, nn.Linear]]) -> list[LinearStats]:
+    """``stats`` sorted in the order of ``linears``."""
+    order = {n: i for i, (n, _) in enumerate(linears)}
+    return sorted(stats, key=lambda st: order[st.name])
+
+
 def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianCollector, layer: int,
                      options: QuantizeOptions, progress: tqdm | None = None
                      ) -> tuple[dict[str, dict[int, QuantizedWeight]], list[LinearStats]]:
@@ -187,10 +202,7 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
     stats: list[LinearStats] = []
     encoder = {} if options.encoder is None else {"encoder": options.encoder}
     modules = dict(linears)
-    runs = [[n for n in run if n in modules] for run in hessians.shared_inputs()]
-    seen = {n for run in runs for n in run}
-    runs = [r for r in runs if r] + [[n] for n, _ in linears if n not in seen]
-    for names in runs:
+    for names in input_groups(linears, hessians):
         t0 = time.perf_counter()
         ws = [modules[n].weight.detach() for n in names]
         for n, w in zip(names, ws):
@@ -207,15 +219,16 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
         if progress is not None:
             progress.set_postfix_str(",".join(names), refresh=False)
         for k in options.candidates:
-            best = None
+            best = None  # (summed proxy loss, parts, their measures) of the best draw so far
             for draw in range(options.sign_draws):
                 kwargs = dict(bits=k, hessian=h if options.use_hessian else None,
                               seed=linear_seed(options.seed, names[0], draw), progress=_advance(progress), **encoder)
                 parts = quant.quantize_shared(ws, **kwargs) if len(ws) > 1 else [quant.quantize(ws[0], **kwargs)]
                 measured = [measure(w, qw, hn) for w, qw, hn in zip(ws, parts, hs)]
-                if best is None or sum(m[0] for m in measured) < sum(m[0] for m in best[1]):
-                    best = (parts, measured)
-            for n, qw, st, m in zip(names, best[0], group, best[1]):
+                total = sum(m[0] for m in measured)
+                if best is None or total < best[0]:
+                    best = (total, parts, measured)
+            for n, qw, st, m in zip(names, best[1], group, best[2]):
                 st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = m
                 st.storage_bpw[k] = qw.bits_per_weight
                 qws[n][k] = qw
@@ -223,9 +236,7 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
         for st in group:
             st.seconds = seconds * st.params / sum(g.params for g in group)
         stats.extend(group)
-    order = {n: i for i, (n, _) in enumerate(linears)}
-    stats.sort(key=lambda st: order[st.name])
-    return qws, stats
+    return qws, in_order(stats, linears)
 
 
 def _advance(progress: tqdm | None):

@@ -30,8 +30,8 @@ from .allocate import allocate_bits
 from .calib import calibration_seq_len, read_calibration, text_digest, tokenize
 from .checkpoint import (CheckpointReader, build_skeleton, find_layer_stack, is_tied_output,
                          load_tensors, meta_tensors, set_tensor, tie_output_embeddings)
-from .engine import (Calibration, HessianCollector, capture_inputs, quantize_linears, run_tail, skip_matches,
-                     target_linears)
+from .engine import (Calibration, HessianCollector, capture_inputs, in_order, input_groups, quantize_linears,
+                     run_tail, skip_matches, target_linears)
 from .errors import ModelError
 from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions
 from .report import QuantizeReport
@@ -212,12 +212,9 @@ def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, in
     # Stages in the order the layer reads its Linears (the readers of one input together); a
     # stage's Hessians come from a pass with the stages before it installed at propagate_bits.
     modules = dict(linears)
-    stages = [[n for n in names if n in modules] for names in collector.shared_inputs()]
-    seen = {n for names in stages for n in names}
-    stages = [names for names in stages if names] + [[n] for n, _ in linears if n not in seen]
     qws: Candidates = {}
     stats: list[LinearStats] = []
-    for i, names in enumerate(stages):
+    for i, names in enumerate(input_groups(linears, collector)):
         members = [(n, modules[n]) for n in names]
         if i > 0:
             collector = _collect(calib, layer, members)
@@ -225,8 +222,7 @@ def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, in
         run.install(members, stage_qws, run.options.propagate_bits, dense=True)
         qws.update(stage_qws)
         stats += stage_stats
-    order = {n: i for i, (n, _) in enumerate(linears)}
-    return qws, sorted(stats, key=lambda st: order[st.name])
+    return qws, in_order(stats, linears)
 
 
 def _quantize_tail(run: _Run, calib: Calibration, samples, tail):
