@@ -139,18 +139,6 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
 
 
 @triton.jit
-def _output_block(h_ptr, scale_ptr, su_ptr, gscale_ptr, M, N_out, BM: tl.constexpr):
-    """Program (nb, mb) of an output-side kernel: its 128-block index nb, rows m [BM, 1], columns
-    n [1, 128], the row mask, the +-1 matrix and the row scales g*c*su of its columns."""
-    nb = tl.program_id(0)
-    mb = tl.program_id(1)
-    m = mb * BM + tl.arange(0, BM)[:, None]
-    n = nb * 128 + tl.arange(0, 128)[None, :]
-    hm = load_hadamard(h_ptr)
-    return nb, m, n, m < M, hm, row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
-
-
-@triton.jit
 def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, heps,
                              M, N_out, Np, stride_ym,
                              SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr):
@@ -162,7 +150,13 @@ def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr,
     head, normalised as the model's per-head RMSNorm does it (escha.norm.HeadNorm): the program
     holds the whole head of each of its tokens.
     """
-    nb, m, n, mmask, hm, rs = _output_block(h_ptr, scale_ptr, su_ptr, gscale_ptr, M, N_out, BM)
+    nb = tl.program_id(0)
+    mb = tl.program_id(1)
+    m = mb * BM + tl.arange(0, BM)[:, None]
+    n = nb * 128 + tl.arange(0, 128)[None, :]
+    mmask = m < M
+    hm = load_hadamard(h_ptr)
+    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
     wait_for_producer(PDL)
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
@@ -217,8 +211,13 @@ def _output_hadamard_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, 
     z is one [M, Np] product in a 16-bit dtype (a library GEMM's output), so z and +-1 are exact
     operands and the tensor core sums their products in fp32: one product, no split pieces.
     """
-    nb, m, n, mmask, hm, rs = _output_block(h_ptr, scale_ptr, su_ptr, gscale_ptr, M, N_out, BM)
-    rs = rs * INV_SQRT_HAD
+    nb = tl.program_id(0)
+    mb = tl.program_id(1)
+    m = mb * BM + tl.arange(0, BM)[:, None]
+    n = nb * 128 + tl.arange(0, 128)[None, :]
+    mmask = m < M
+    hm = load_hadamard(h_ptr)
+    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out) * INV_SQRT_HAD
     z = tl.load(z_ptr + m.to(tl.int64) * stride_zm + n, mask=mmask, other=0.0)
     y = tl.dot(z.to(DOT_DTYPE), hm) * rs
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, round_to(y, y_ptr.dtype.element_ty),
