@@ -44,26 +44,6 @@ _THREEINST_ASM = tl.constexpr("""{{
         }}""".format(**_LCG_MASK_XOR))
 
 
-# K = 2, two columns from one funnel word t = high word of {w0:w1} << 2c: its high half is the
-# state of column c, its low half the state of column c + 8. The first LCG value from mul.hi, the
-# second from t with mads (t*MUL + ADD*(1 + 2**16) - (x_a << 16) = s_b*MUL + ADD mod 2**32), then
-# the shared mask/xor, gather and add: (value of column c, value of column c + 8).
-_PAIR_ASM = tl.constexpr("""{{
-        .reg .b32 t, sa, xa, xb, lo, hi, v;
-        shf.l.clamp.b32 t, $3, $2, $4;
-        mul.hi.u32 sa, t, 65536;
-        mad.lo.u32 xa, sa, {mul}, {add};
-        mad.lo.u32 xb, t, {mul}, {add2};
-        mad.lo.u32 xb, xa, 0xFFFF0000, xb;
-        lop3.b32 xa, xa, {mask}, {xor}, 0x6A;
-        lop3.b32 xb, xb, {mask}, {xor}, 0x6A;
-        prmt.b32 lo, xa, xb, 0x5410;
-        prmt.b32 hi, xa, xb, 0x7632;
-        add.rn.f16x2 v, lo, hi;
-        mov.b32 {{$0, $1}}, v;
-        }}""".format(add2=(ThreeInst.ADD * (1 + 2**16)) % 2**32, **_LCG_MASK_XOR))
-
-
 class CodecPath(enum.Enum):
     """Which instruction sequence decodes states inside a kernel."""
 
@@ -130,16 +110,6 @@ def threeinst_ptx(state):
         "=r,r,r",
         [state.to(tl.uint32)],
         dtype=tl.float16, is_pure=True, pack=2)
-
-
-@triton.jit
-def pair_values_ptx(w0, w1, off):
-    """K = 2: fp16 3INST values of the states at bits ``off`` and ``off + 16`` of (w0, w1) (columns
-    c and c + 8 of a tile row, off = 2c < 16), from one funnel shift (``_PAIR_ASM``)."""
-    return tl.inline_asm_elementwise(
-        _PAIR_ASM, "=h,=h,r,r,r",
-        [w0.to(tl.uint32, bitcast=True), w1.to(tl.uint32, bitcast=True), off.to(tl.uint32)],
-        dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
 
 
 @triton.jit

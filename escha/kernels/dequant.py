@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import TILE
-from .codec import CodecPath, codec_path, decode_block, pair_values_ptx
+from .codec import CodecPath, codec_path, decode_block
 from .common import CORE_FP8_SCALE, check_codebook, round_to
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
@@ -27,29 +27,14 @@ def _dequant_kernel(tr_ptr, out_ptr, KT, stride_on, SCALE: tl.constexpr, BITS: t
     """One program writes T[pid_n*BN : +BN, pid_k*16*BKT : +16*BKT] in out's dtype."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if BITS == 2 and USE_PTX:
-        # Columns c and c + 8 of each tile row from one funnel word (codec.pair_values_ptx), stored
-        # as two [BN, BKT, 8] halves of the tile.
-        n = tl.arange(0, BN)[:, None, None]
-        r = n % 16
-        t = tl.arange(0, BKT)[None, :, None]
-        c = tl.arange(0, 8)[None, None, :]
-        tile = ((pid_n * (BN // 16) + n // 16) * KT + (pid_k * BKT + t)) * 16
-        w0 = tl.load(tr_ptr + tile + r)
-        w1 = tl.load(tr_ptr + tile + (r + 1) % 16)
-        va, vb = pair_values_ptx(w0, w1, c * 2)
-        rows = pid_n * BN + n
-        col = (pid_k * BKT + t) * 16 + c
-        base = out_ptr + rows.to(tl.int64) * stride_on
-        tl.store(base + col, round_to(va.to(tl.float32) * SCALE, out_ptr.dtype.element_ty))
-        tl.store(base + col + 8, round_to(vb.to(tl.float32) * SCALE, out_ptr.dtype.element_ty))
-    else:
-        v = decode_block(tr_ptr, pid_n * (BN // 16), pid_k * BKT, KT, BITS, BN, BKT, USE_PTX)
-        rows = pid_n * BN + tl.arange(0, BN)
-        cols = pid_k * (16 * BKT) + tl.arange(0, 16 * BKT)
-        ptrs = out_ptr + rows[:, None] * stride_on + cols[None, :]
-        v = v.to(tl.float32) * SCALE
-        tl.store(ptrs, round_to(v, out_ptr.dtype.element_ty))
+    v = decode_block(tr_ptr, pid_n * (BN // 16), pid_k * BKT, KT, BITS, BN, BKT, USE_PTX)
+    rows = pid_n * BN + tl.arange(0, BN)
+    cols = pid_k * (16 * BKT) + tl.arange(0, 16 * BKT)
+    ptrs = out_ptr + rows[:, None] * stride_on + cols[None, :]
+    # fp16 -> fp32 is exact and so is the power-of-two multiply; then exactly one rounding, to
+    # nearest even (common.round_to).
+    v = v.to(tl.float32) * SCALE
+    tl.store(ptrs, round_to(v, out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
