@@ -31,9 +31,9 @@ def _dequant_kernel(tr_ptr, out_ptr, KT, stride_on, SCALE: tl.constexpr, BITS: t
     rows = pid_n * BN + tl.arange(0, BN)
     cols = pid_k * (16 * BKT) + tl.arange(0, 16 * BKT)
     ptrs = out_ptr + rows[:, None] * stride_on + cols[None, :]
-    # The power-of-two multiply in fp16 (exact: |64 T| < 256), then one conversion from fp16.
-    if SCALE != 1.0:
-        v = v * SCALE
+    # fp16 -> fp32 is exact and so is the power-of-two multiply; then exactly one rounding, to
+    # nearest even (common.round_to).
+    v = v.to(tl.float32) * SCALE
     tl.store(ptrs, round_to(v, out_ptr.dtype.element_ty))
 
 
