@@ -56,6 +56,7 @@ class KernelPath(str, enum.Enum):
     DEQUANT_BF16 = "dequant-bf16"
     DECODE_WGMMA = "decode-wgmma"
     DEQUANT_CORE_FP8 = "dequant-core-fp8"  # new paths go last: the custom op's path codes are positions
+    DEQUANT_CORE_BF16 = "dequant-core-bf16"
 
     def __str__(self) -> str:
         return self.value
@@ -101,7 +102,7 @@ class PathOp:
 @functools.cache
 def dispatch_table() -> dict[KernelPath, PathOp]:
     """The dispatch table: path -> op (built on first use, which imports the kernels)."""
-    from .kernels import decode, dequant_bf16, dequant_core_fp8, dequant_fp8, prefill
+    from .kernels import decode, dequant_bf16, dequant_core_bf16, dequant_core_fp8, dequant_fp8, prefill
     from .kernels.decode import MAX_DECODE_M
     from .kernels.decode_wgmma import decode_wgmma, runs_on
     return {
@@ -112,6 +113,7 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
         KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
         KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8),
         KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
+        KernelPath.DEQUANT_CORE_BF16: PathOp(dequant_core_bf16),
     }
 
 
