@@ -38,7 +38,7 @@ from escha.kernels import (ActQuantConfig, actquant, actquant_config, dequant_bf
 from escha.kernels.actquant import absmax_kernel, quantize_kernel, transform_bf16_kernel  # noqa: E402
 from escha.kernels.common import FP8_DTYPE, workspace  # noqa: E402
 from escha.kernels.dequant import _dequant_kernel, dequant_config, dequantize_core  # noqa: E402
-from escha.kernels.dequant_once import dequant_core_fp8, dequant_hn, dequant_hn_kernel  # noqa: E402
+from escha.kernels.dequant_once import dequant_core_bf16, dequant_core_fp8, dequant_hn, dequant_hn_kernel  # noqa: E402
 from escha.kernels.transforms import _output_hadamard_kernel, hadamard_output_dense  # noqa: E402
 from escha.kernels.prefill import prefill_kernel  # noqa: E402
 
@@ -203,6 +203,11 @@ def main() -> None:
                     qws[i % nq], FP8_DTYPE, config=c, out=workspace(qws[0].device, FP8_DTYPE, (np_, kp))))(ccfg), nq)
             arms["part-output-hadamard"] = (lambda i: hadamard_output_dense(zbuf, qws[0], ybuf), 1)
             arms["escha-dequant-core-fp8"] = (lambda i: dequant_core_fp8(x, qws[i % nq]), nq)
+            # The same at the bf16 precision, beside escha-dequant-bf16 (the folded bf16 scratch).
+            arms["part-dequant-core-bf16"] = (lambda i: dequantize_core(
+                qws[i % nq], torch.bfloat16, out=workspace(qws[0].device, torch.bfloat16, (np_, kp))), nq)
+            arms["part-dequant-bf16"] = (lambda i: dequant_hn(qws[i % nq], fp8=False), nq)
+            arms["escha-dequant-core-bf16"] = (lambda i: dequant_core_bf16(x, qws[i % nq]), nq)
             for name in configs:
                 pcfg = replace(prefill_config(qws[0], m), **PREFILL_CONFIGS[name])
                 arms["escha-" + name] = ((lambda c: lambda i: prefill(x, qws[i % nq], config=c))(pcfg), nq)

@@ -8,6 +8,9 @@ Paths (``KernelPath``) and the op each runs (``dispatch_table()``):
     prefill       the fused kernel: trellis decoded inside an fp8 tensor-core GEMM.
     dequant-fp8   dequantize once to an fp8 scratch, then torch._scaled_mm (row-wise scales).
     dequant-bf16  dequantize once to a bf16 scratch, then a bf16 matmul: the accuracy-first path.
+    dequant-core-fp8, dequant-core-bf16  dequantize the plain core T (no Hadamard product), one
+                  library GEMM, then Hn and the row scales in one pass over its output: the
+                  dequantize-once form for fewer rows (DispatchRule.dequant_path).
 
 Every op has the shape ``op(x, qw, *, config=None)`` and picks its own launch configuration by
 its rule; adding a path is one ``KernelPath`` member and one entry in ``dispatch_table``.
@@ -56,6 +59,7 @@ class KernelPath(str, enum.Enum):
     DEQUANT_BF16 = "dequant-bf16"
     DECODE_WGMMA = "decode-wgmma"
     DEQUANT_CORE_FP8 = "dequant-core-fp8"  # new paths go last: the custom op's path codes are positions
+    DEQUANT_CORE_BF16 = "dequant-core-bf16"
 
     def __str__(self) -> str:
         return self.value
@@ -101,7 +105,7 @@ class PathOp:
 @functools.cache
 def dispatch_table() -> dict[KernelPath, PathOp]:
     """The dispatch table: path -> op (built on first use, which imports the kernels)."""
-    from .kernels import decode, dequant_bf16, dequant_core_fp8, dequant_fp8, prefill
+    from .kernels import decode, dequant_bf16, dequant_core_bf16, dequant_core_fp8, dequant_fp8, prefill
     from .kernels.decode import MAX_DECODE_M
     from .kernels.decode_wgmma import decode_wgmma, runs_on
     return {
@@ -112,6 +116,7 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
         KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
         KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8),
         KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
+        KernelPath.DEQUANT_CORE_BF16: PathOp(dequant_core_bf16),
     }
 
 
@@ -132,7 +137,10 @@ class DispatchRule:
     tokens per 128 input features, the core with Hn folded in (dequant-fp8) above. The plain form
     saves a 128x128 product per weight block (work proportional to N*K) and pays a read and a write
     of the [M, N] output (proportional to M*N), so where one overtakes the other is proportional
-    to K. The bf16 precision always takes the dequant-bf16 path. The defaults are the fit of
+    to K. The bf16 precision takes the same two forms at bf16 (dequant-core-bf16, dequant-bf16)
+    at every M, with the same threshold: benchmarks/results/prefill_h200_v7 measured the plain
+    form 11-23% faster at 128-512 tokens, level with the folded form at gate_up 2048 (40 blocks,
+    51 rows a block) and down 8192 (68 blocks, 120 rows a block). The defaults are the fit of
     benchmarks/fit_dispatch.py on the H200's dense sweep (benchmarks/results/sweep_h200_v2/
     fit_dispatch.md: every escha path at 20 M from 1 to 8192 on both seed shapes): the
     register-operand decode kernel was fastest up to 96 tokens, the plain-core form from 128 to
@@ -149,18 +157,21 @@ class DispatchRule:
     def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:
         """The path for M rows of a weight with ``in_features`` inputs at this precision."""
         if _PRECISION_CODE[precision] == _PRECISION_CODE[Precision.BF16]:
-            return KernelPath.DEQUANT_BF16
+            return self.dequant_path(m, in_features, Precision.BF16)
         if m <= self.decode_max_m:
             return KernelPath.DECODE
         if m < self.dequant_min_m:
             return KernelPath.PREFILL
         return self.dequant_path(m, in_features)
 
-    def dequant_path(self, m: int, in_features: int) -> KernelPath:
-        """The dequantize-once form for M rows: the plain core up to core_m_per_kblock rows per
-        128-block of inputs, the core with Hn folded in above."""
+    def dequant_path(self, m: int, in_features: int, precision: Precision | str = Precision.FP8) -> KernelPath:
+        """The dequantize-once form for M rows at this precision: the plain core up to
+        core_m_per_kblock rows per 128-block of inputs, the core with Hn folded in above."""
         kblocks = -(-in_features // 128)
-        return KernelPath.DEQUANT_CORE_FP8 if m <= self.core_m_per_kblock * kblocks else KernelPath.DEQUANT_FP8
+        plain = m <= self.core_m_per_kblock * kblocks
+        if _PRECISION_CODE[precision] == _PRECISION_CODE[Precision.BF16]:
+            return KernelPath.DEQUANT_CORE_BF16 if plain else KernelPath.DEQUANT_BF16
+        return KernelPath.DEQUANT_CORE_FP8 if plain else KernelPath.DEQUANT_FP8
 
 
 DEFAULT_RULE = DispatchRule()

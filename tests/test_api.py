@@ -52,7 +52,7 @@ def test_transform_domain_reference_equals_dense():
 
 
 @pytest.mark.parametrize("path", [None, "reference", "decode", "prefill", "dequant-fp8", "dequant-core-fp8",
-                                  "dequant-bf16"])
+                                  "dequant-bf16", "dequant-core-bf16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_matmul_propagates_nan_like_torch(path, bad):
     """A non-finite activation poisons its own row of y (all of it, as torch.matmul does), only it."""

@@ -31,8 +31,11 @@ K_GATE_UP, K_DOWN = 5120, 8704  # the seed shapes' in_features: 40 and 68 blocks
                                       (48, 1, KernelPath.DECODE)])
 def test_rule_boundaries(m, k, want):
     assert DEFAULT_RULE.choose(m, in_features=k) == want
-    assert DEFAULT_RULE.choose(m, Precision.BF16, in_features=k) == KernelPath.DEQUANT_BF16
-    assert DEFAULT_RULE.choose(m, "bf16", in_features=k) == KernelPath.DEQUANT_BF16
+    # The bf16 precision: the same two dequantize-once forms at the same threshold, at every M.
+    bf16 = (KernelPath.DEQUANT_CORE_BF16 if m <= DEFAULT_RULE.core_m_per_kblock * -(-k // 128)
+            else KernelPath.DEQUANT_BF16)
+    assert DEFAULT_RULE.choose(m, Precision.BF16, in_features=k) == bf16
+    assert DEFAULT_RULE.choose(m, "bf16", in_features=k) == bf16
 
 
 def test_dequant_form_scales_with_k():
@@ -41,6 +44,8 @@ def test_dequant_form_scales_with_k():
     assert rule.dequant_path(20, 129) == KernelPath.DEQUANT_CORE_FP8  # 2 blocks: up to 20 rows
     assert rule.dequant_path(21, 129) == KernelPath.DEQUANT_FP8
     assert DispatchRule(core_m_per_kblock=0).dequant_path(1, 8192) == KernelPath.DEQUANT_FP8
+    assert rule.dequant_path(20, 129, "bf16") == KernelPath.DEQUANT_CORE_BF16
+    assert rule.dequant_path(21, 129, Precision.BF16) == KernelPath.DEQUANT_BF16
 
 
 def test_prefill_config_boundary():
@@ -90,7 +95,8 @@ def test_resolve_path_on_device(monkeypatch):
     assert resolve_path(65, qw, rule=DispatchRule(decode_max_m=64, dequant_min_m=128)) == KernelPath.PREFILL
     assert resolve_path(600, qw, rule=DispatchRule(dequant_min_m=600)) == KernelPath.DEQUANT_FP8
     assert resolve_path(10, qw, path="dequant-bf16") == KernelPath.DEQUANT_BF16
-    assert resolve_path(10, qw, precision="bf16") == KernelPath.DEQUANT_BF16
+    assert resolve_path(10, qw, precision="bf16") == KernelPath.DEQUANT_CORE_BF16
+    assert resolve_path(48 * 4 + 1, qw, precision="bf16") == KernelPath.DEQUANT_BF16  # 4 blocks of inputs
     # The decode range runs the register-operand kernel where it can (Hopper, K = 2, 3) and
     # where its rule starts the GEMM early.
     assert resolve_path(8, qw) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DECODE)

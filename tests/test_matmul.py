@@ -27,8 +27,8 @@ def bound(path: KernelPath, out_dtype: torch.dtype) -> float:
         return 1.5 * out + 1e-5
     op = U["fp8" if path in (KernelPath.PREFILL, KernelPath.DEQUANT_FP8, KernelPath.DEQUANT_CORE_FP8, KernelPath.DECODE,
                              KernelPath.DECODE_WGMMA) else "bf16"]
-    # dequant-core-fp8 also rounds the GEMM's output z to bf16 before the output transform.
-    mid = U[torch.bfloat16] / 3 ** 0.5 if path == KernelPath.DEQUANT_CORE_FP8 else 0.0
+    # The plain-core paths also round the GEMM's output z to bf16 before the output transform.
+    mid = U[torch.bfloat16] / 3 ** 0.5 if path in (KernelPath.DEQUANT_CORE_FP8, KernelPath.DEQUANT_CORE_BF16) else 0.0
     return 1.5 * ((2 ** 0.5 * op / 3 ** 0.5) ** 2 + mid ** 2 + out ** 2) ** 0.5 + 1e-5
 
 
@@ -55,7 +55,7 @@ def test_tolerance_table_values():
 
 
 @pytest.mark.parametrize("path", [KernelPath.REFERENCE, KernelPath.PREFILL, KernelPath.DEQUANT_FP8,
-                                  KernelPath.DEQUANT_CORE_FP8, KernelPath.DEQUANT_BF16])
+                                  KernelPath.DEQUANT_CORE_FP8, KernelPath.DEQUANT_BF16, KernelPath.DEQUANT_CORE_BF16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_paths_accuracy(qw, w_exact, path, dtype):
     g = torch.Generator().manual_seed(hash((path.value, str(dtype))) % 2**31)
@@ -88,7 +88,7 @@ def test_prefill_writes_every_output(qw, w_exact):
 
 
 @pytest.mark.parametrize("path", [KernelPath.REFERENCE, KernelPath.PREFILL, KernelPath.DEQUANT_FP8,
-                                  KernelPath.DEQUANT_CORE_FP8, KernelPath.DEQUANT_BF16])
+                                  KernelPath.DEQUANT_CORE_FP8, KernelPath.DEQUANT_BF16, KernelPath.DEQUANT_CORE_BF16])
 def test_nonfinite_rows_propagate(qw, w_exact, path):
     x = torch.randn(70, 200, device=DEV, dtype=torch.bfloat16)
     x[4, 10] = float("nan")

@@ -11,7 +11,8 @@ from escha.format import block_hadamard, decode_trellis, dequantize, input_trans
 from escha.kernels import actquant, actquant_config, dequant_once_config, prefill, prefill_config
 from escha.kernels.actquant import partial_amax_workspace
 from escha.kernels.common import FP8_DTYPE, workspace
-from escha.kernels.dequant_once import dequant_core_fp8, dequant_hn, k_per_prog_for, workspace_bytes
+from escha.kernels.dequant_once import (dequant_core_bf16, dequant_core_fp8, dequant_hn, k_per_prog_for,
+                                       workspace_bytes)
 from escha.kernels.transforms import hadamard_output_dense
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -244,3 +245,21 @@ def test_dequant_core_fp8_vs_quantized_operands(bits, m):
     # Against the exact product: the e4m3 table's bound (1.5 x sqrt(2) x the per-element rms).
     dense = dequantize(qw).float()
     assert rel(y, x.float() @ dense.T) < 1.5 * 2 ** 0.5 * FP8_ELEM_RMS
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_dequant_core_bf16_vs_quantized_operands(bits):
+    """The bf16 plain-core path equals Hn (x'_b bf16(T)^T) * r given the same bf16 operands, up to
+    the bf16 roundings of z and y; and W_hat within the bf16 table (3 roundings of 2**-9)."""
+    g = torch.Generator().manual_seed(300 + bits)
+    qw = random_qweight(200, 300, bits, seed=bits + 9, device=DEV)
+    x = torch.randn(70, 300, generator=g).to(DEV, torch.bfloat16)
+    workspace(torch.device(DEV), torch.bfloat16, qw.padded_shape).fill_(float("nan"))  # poisoned scratch
+    y = dequant_core_bf16(x, qw)
+    assert y.dtype == x.dtype and y.shape == (70, 200) and torch.isfinite(y).all()
+    xb, _ = actquant(x, qw, fp8=False)
+    z = xb.float() @ decode_trellis(qw).to(torch.bfloat16).float().T
+    want = (block_hadamard(z, dim=-1) * row_scale(qw))[:, :200]
+    assert rel(y, want) < 3 * BF16_ELEM_RMS
+    dense = dequantize(qw).float()
+    assert rel(y, x.float() @ dense.T) < 1.5 * 5 ** 0.5 * BF16_ELEM_RMS

@@ -8,6 +8,7 @@ benchmarks override it with ``dataclasses.replace``).
     dequant_fp8   dequantize once (e4m3) + fp8 GEMM         DequantOnceConfig, dequant_once_config
     dequant_core_fp8  plain core (e4m3) + fp8 GEMM + Hn pass  DequantConfig, dequant_config(qw, device)
     dequant_bf16  dequantize once (bf16) + bf16 GEMM        DequantOnceConfig, dequant_once_config
+    dequant_core_bf16  plain core (bf16) + bf16 GEMM + Hn pass  DequantConfig, dequant_config(qw, device)
     actquant      activation transform (+ e4m3)             ActQuantConfig, actquant_config
     dequantize_core  the dense core T (no activations)      DequantConfig, dequant_config(qw, device)
 
@@ -18,11 +19,12 @@ from .codec import CodecPath, codec_path
 from .decode import DecodeConfig, decode, decode_config
 from .decode_wgmma import DecodeWgmmaConfig, decode_wgmma, decode_wgmma_config
 from .dequant import DequantConfig, dequant_config, dequantize_core
-from .dequant_once import DequantOnceConfig, dequant_bf16, dequant_core_fp8, dequant_fp8, dequant_once_config
+from .dequant_once import (DequantOnceConfig, dequant_bf16, dequant_core_bf16, dequant_core_fp8, dequant_fp8,
+                           dequant_once_config)
 from .prefill import PrefillConfig, prefill, prefill_config
 from .splitk import SplitKRule, decode_split_k
 
 __all__ = ["ActQuantConfig", "actquant", "actquant_config", "CodecPath", "codec_path", "DecodeConfig",
            "decode", "decode_config", "DecodeWgmmaConfig", "decode_wgmma", "decode_wgmma_config", "DequantConfig", "dequant_config", "dequantize_core",
-           "DequantOnceConfig", "dequant_bf16", "dequant_core_fp8", "dequant_fp8", "dequant_once_config", "PrefillConfig",
+           "DequantOnceConfig", "dequant_bf16", "dequant_core_bf16", "dequant_core_fp8", "dequant_fp8", "dequant_once_config", "PrefillConfig",
            "prefill", "prefill_config", "SplitKRule", "decode_split_k"]

@@ -52,7 +52,7 @@ def _launches() -> Iterator[str]:
     from .decode_wgmma import _launch as decode_wgmma_launch
     from .decode_wgmma import decode_wgmma_config, decoded_fragments
     from .dequant import dequant_config, dequantize_core
-    from .dequant_once import _dequant_once, dequant_core_fp8, dequant_once_config
+    from .dequant_once import _dequant_once, dequant_core_bf16, dequant_core_fp8, dequant_once_config
     from .prefill import prefill, prefill_config
 
     cuda = torch.device("cuda")
@@ -84,6 +84,8 @@ def _launches() -> Iterator[str]:
             _dequant_once(x(128), qw, fp8, dataclasses.replace(dequant_once_config(qw, 128, cuda), **ptx), "check")
         yield f"dequant_core_fp8 K={bits} (dequantize_core, hadamard_output_dense)"
         dequant_core_fp8(x(128), qw)
+        yield f"dequant_core_bf16 K={bits}"
+        dequant_core_bf16(x(128), qw)
         for dt in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
             yield f"dequantize_core K={bits} {dt}"
             dequantize_core(qw, dt, config=dataclasses.replace(dequant_config(qw, cuda), **ptx))

@@ -174,6 +174,27 @@ def dequant_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceCon
     ``dequant_once_config``."""
     return _dequant_once(x, qw, False, config, "dequant_bf16")
 
+def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantConfig | None,
+                  op: str) -> torch.Tensor:
+    """y = x @ W_hat^T through a scratch of the plain core T, the GEMM z = x' T^T, then Hn and
+    the row scales in one pass over z."""
+    check_operands(x, qw, op)
+    x2d = x.reshape(-1, x.shape[-1])
+    np_, kp = qw.padded_shape
+    dtype = FP8_DTYPE if fp8 else torch.bfloat16
+    t, t_scale = dequantize_core(qw, dtype, config=config or dequant_config(qw, x.device),
+                                 out=workspace(qw.device, dtype, (np_, kp)))
+    if fp8:
+        xq, xscale = actquant(x2d, qw)
+        z = scaled_mm_rowwise(xq, t.t(), xscale, torch.full((np_,), t_scale, device=x.device))
+    else:
+        xb, _ = actquant(x2d, qw, fp8=False)
+        z = xb @ t.t()
+    y = torch.empty((x2d.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
+    hadamard_output_dense(z, qw, y)
+    return y.reshape(*x.shape[:-1], qw.out_features)
+
+
 def dequant_core_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantConfig | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T in x's dtype through a scratch of the plain core:
     e4m3(64 T) (``dequantize_core``, no Hadamard product while decoding), one fp8 GEMM
@@ -181,16 +202,15 @@ def dequant_core_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantCon
     (``transforms.hadamard_output_dense``). It trades dequant_fp8's 128x128 product per weight
     block for a read and a write of [M, Np]: cheaper for few tokens. ``config`` overrides
     ``dequant_config``."""
-    check_operands(x, qw, "dequant_core_fp8")
-    x2d = x.reshape(-1, x.shape[-1])
-    np_, kp = qw.padded_shape
-    t8, t_scale = dequantize_core(qw, FP8_DTYPE, config=config or dequant_config(qw, x.device),
-                                  out=workspace(qw.device, FP8_DTYPE, (np_, kp)))
-    xq, xscale = actquant(x2d, qw)
-    z = scaled_mm_rowwise(xq, t8.t(), xscale, torch.full((np_,), t_scale, device=x.device))
-    y = torch.empty((x2d.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
-    hadamard_output_dense(z, qw, y)
-    return y.reshape(*x.shape[:-1], qw.out_features)
+    return _dequant_core(x, qw, True, config, "dequant_core_fp8")
+
+
+def dequant_core_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantConfig | None = None) -> torch.Tensor:
+    """``dequant_core_fp8`` at the bf16 precision: bf16(T) (two bytes a weight, no Hadamard
+    product), x' in bf16, one bf16 GEMM z = x' T^T (bf16), then Hn and the row scales in one pass
+    over z. Against dequant_bf16 (bf16(r Hn T) while decoding) it rounds once more (z to bf16,
+    2**-9). ``config`` overrides ``dequant_config``."""
+    return _dequant_core(x, qw, False, config, "dequant_core_bf16")
 
 
 # Configuration note. The kernel decodes each weight once, adds a 128x128xBK fp16 product per
