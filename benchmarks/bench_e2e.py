@@ -280,6 +280,36 @@ def launch_profile(model, batch: int, args, device: torch.device) -> dict:
             "note": "one eager decode step (batch tokens) under torch.profiler; times are GPU kernel durations"}
 
 
+def prefill_profile(model, tokens: int, device: torch.device, top: int = 20) -> dict:
+    """One prompt's forward (eager, after a warm-up pass) under the torch profiler: wall time, the
+    GPU kernel time by name and the CPU operators with the most self time (where a prompt's time
+    goes when it is not in the GPU's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device,
+                        generator=torch.Generator(device=device).manual_seed(2))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+        sync(device)
+        with profile(activities=activities) as prof:
+            t = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            sync(device)
+            wall = time.perf_counter() - t
+    kernels: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:90], {"launches": 0, "us": 0.0})
+            k["launches"] += 1
+            k["us"] += e.time_range.elapsed_us()
+    cpu = sorted(((a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()), key=lambda r: -r[1])
+    return {"prompt_tokens": tokens, "wall_ms_under_profiler": 1e3 * wall,
+            "gpu_kernel_us": sum(k["us"] for k in kernels.values()),
+            "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:top]),
+            "cpu_self_us": [{"op": k, "self_us": us, "count": n} for k, us, n in cpu[:top]],
+            "note": "one eager forward under torch.profiler (its own overhead included in the wall time)"}
+
+
 def machine(device: torch.device) -> dict:
     """Where and with what the run happened (the commit: escha.bench.report.git_sha)."""
     info = {"platform": platform.platform(), "torch": torch.__version__, "escha": escha.__version__,
@@ -314,6 +344,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-128 model (CPU smoke test)")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the profiled step (kernel launches and their time by role)")
+    ap.add_argument("--profile-prefill", default="",
+                    help="comma-separated prompt lengths to profile as one forward each (kernel and CPU time)")
     return common_arguments(ap, "bf16,escha")
 
 
@@ -385,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in [int(t) for t in args.prefill.split(",") if t]:
             arms[arm].setdefault("prefill", []).append(prefill_times(model, tokens, args, device))
             print(f"{arm:6s} prompt {tokens}: {arms[arm]['prefill'][-1]['ms']:.2f} ms", flush=True)
+        for tokens in [int(t) for t in args.profile_prefill.split(",") if t]:
+            p = prefill_profile(model, tokens, device)
+            arms[arm].setdefault("prefill_profile", []).append(p)
+            print(f"{arm:6s} prompt {tokens} profiled: {p['wall_ms_under_profiler']:.1f} ms wall, "
+                  f"{p['gpu_kernel_us'] / 1e3:.1f} ms of GPU kernels", flush=True)
         if profiles:
             arms[arm]["launch_profile"] = profiles
         del model
