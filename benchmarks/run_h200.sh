@@ -31,13 +31,17 @@
 #                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
 #                  escha-unshared, with a profiled step per batch; and one prompt of 512, 2048 and 8192
 #                  tokens through each (time to first token).
+# PHASE "profile": where a call's time goes: the register-operand decode call's three kernels each
+#                  timed alone beside the whole call (bench_decode_wgmma.py --breakdown, M 1-64), and
+#                  one 512- and 2048-token prompt of the Qwen3-14B-shaped model under the torch
+#                  profiler (bench_e2e.py --profile-prefill: host time against GPU kernel time).
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -139,6 +143,12 @@ case "$phase" in
     step prefill 100 python benchmarks/bench_prefill.py --out "$out/prefill"
     step e2e 300 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha,escha-unshared \
       --prefill 512,2048,8192 --out "$out/e2e_h200.json"
+    ;;
+  profile)
+    step breakdown 200 python benchmarks/bench_decode_wgmma.py --out "$out/breakdown" --ms 1,8,16,64 --rounds 3 \
+      --breakdown
+    step prefill_profile 250 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 \
+      --new-tokens 8 --repeats 1 --no-profile --profile-prefill 512,2048 --out "$out/e2e_prefill_profile_h200.json"
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
