@@ -34,7 +34,8 @@
 # PHASE "profile": where a call's time goes: the register-operand decode call's three kernels each
 #                  timed alone beside the whole call (bench_decode_wgmma.py --breakdown, M 1-64), and
 #                  one 512- and 2048-token prompt of the Qwen3-14B-shaped model under the torch
-#                  profiler (bench_e2e.py --profile-prefill: host time against GPU kernel time).
+#                  profiler (bench_e2e.py --profile-prefill: host time against GPU kernel time); then
+#                  decode without CUDA graphs (eager, as transformers' generate runs by default).
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
@@ -149,6 +150,8 @@ case "$phase" in
       --breakdown
     step prefill_profile 250 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 \
       --new-tokens 8 --repeats 1 --no-profile --profile-prefill 512,2048 --out "$out/e2e_prefill_profile_h200.json"
+    step e2e_eager 150 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 --graphs none \
+      --new-tokens 32 --repeats 2 --no-profile --out "$out/e2e_eager_h200.json"
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
