@@ -292,10 +292,6 @@ class Bench:
         mode = ["--bpw", base[3:]] if base.startswith("bpw") else ["--bits", base[4:]]
         if seed is not None:
             mode += ["--seed", str(seed)]
-        if true_sequential(cfg):
-            mode += ["--true-sequential"]
-        if sign_draws(cfg) > 1:
-            mode += ["--sign-draws", str(sign_draws(cfg))]
         extra, calib_text = self.calib_args(), None
         if in_domain(cfg):
             path, tokens, pieces = self.eval_gap_text()
@@ -306,8 +302,6 @@ class Bench:
         q = self.quantize_cli(out, mode, extra)
         rep = q.pop("report")
         row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else "")
-                         + (f", best of {sign_draws(cfg)} sign draws" if sign_draws(cfg) > 1 else "")
-                         + (", true-sequential" if true_sequential(cfg) else "")
                          + (", calibrated on the KJV outside the evaluation windows" if calib_text else ""),
                "key": cfg, **({"calibration_text": calib_text} if calib_text else {}),
                "seed": seed or 0, "stored_bpw": rep["storage_bpw"], "nominal_bpw": rep["mean_bits"],
@@ -426,33 +420,23 @@ def _version(mod: str) -> str | None:
         return None
 
 
-
-
-CONFIG = re.compile(r"(?P<base>bits\d|bpw\d+(?:\.\d+)?)(?:-s(?P<seed>\d+))?(?P<d>-d(?P<draws>\d+))?"
-                    r"(?P<ts>-ts)?(?P<kjv>-kjv)?")
+CONFIG = re.compile(r"(?P<base>bits\d|bpw\d+(?:\.\d+)?)(?:-s(?P<seed>\d+))?(?P<kjv>-kjv)?")
 
 
 def _match(cfg: str) -> re.Match:
     m = CONFIG.fullmatch(cfg)
     if m is None:
-        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN, -dN, "
-                         f"-ts, -kjv (in that order)")
+        raise ValueError(f"escha configuration {cfg!r}: expected bits2, bits3 or bpwX, optionally -sN, "
+                         f"then -kjv")
     return m
 
 
 def parse_config(cfg: str) -> tuple[str, int | None]:
     """An escha configuration name: "bits2", "bits3", "bpw2.5", each with an optional "-sN" for
     the sign seed N (default 0, escha quantize's): ("bits2", None), ("bits3", 2) for "bits3-s2";
-    then optionally "-dN" (``sign_draws``), "-ts" (``true_sequential``) and "-kjv"
-    (``in_domain``), which do not change the pair."""
+    then optionally "-kjv" (``in_domain``), which does not change the pair."""
     m = _match(cfg)
     return m["base"], None if m["seed"] is None else int(m["seed"])
-
-
-def sign_draws(cfg: str) -> int:
-    """The configuration's escha quantize --sign-draws (1 without "-dN")."""
-    d = _match(cfg)["draws"]
-    return 1 if d is None else int(d)
 
 
 def in_domain(cfg: str) -> bool:
@@ -460,15 +444,9 @@ def in_domain(cfg: str) -> bool:
     return _match(cfg)["kjv"] is not None
 
 
-def true_sequential(cfg: str) -> bool:
-    """Whether the configuration quantizes each layer's Linears stage by stage (--true-sequential)."""
-    return _match(cfg)["ts"] is not None
-
-
 def variant(cfg: str) -> str:
     """The suffixes of a configuration that change what is measured (not the sign seed)."""
-    m = _match(cfg)
-    return "".join(m[k] or "" for k in ("d", "ts", "kjv"))
+    return _match(cfg)["kjv"] or ""
 
 
 def seed_spread(rows: list[dict]) -> list[dict]:

@@ -23,7 +23,7 @@
 # PHASE "llm-kjv" (after "llm-stage", like "llm"): K=3 and K=2 calibrated on the KJV outside the
 #                  perplexity windows (configurations "-kjv": disjoint text from the evaluated book),
 #                  and at sign seed 1, beside the seed-0 rows of llm_h200_shared.json. LLM_CONFIGS
-#                  picks others (bits2-ts: escha quantize --true-sequential; bits2-d4: --sign-draws 4).
+#                  picks others (bench_llm.py --configs, e.g. bits2-s2).
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).

@@ -242,62 +242,6 @@ def test_hessian_reaches_the_encoder(tiny, monkeypatch):
     assert report.hessian.startswith("used") and all(s.hessian == "used" for s in report.stats)
 
 
-def test_true_sequential_takes_later_hessians_after_earlier_stages(tiny, monkeypatch):
-    """With true_sequential, layer 0's o_proj Hessian comes from a pass with q/k/v already
-    quantized (it differs from the one-pass Hessian, which equals the unquantized layer's), while
-    q/k/v's own Hessian is the same either way; both runs finish every Linear."""
-    seen: dict[bool, dict] = {}
-    real = engine.quant.quantize
-
-    def run(true_sequential):
-        got = seen.setdefault(true_sequential, {})
-
-        def spy(w, bits, hessian=None, seed=0, **kw):
-            got.setdefault(tuple(w.shape), hessian.clone())
-            return real(w, bits=bits, hessian=None, seed=seed, encoder="greedy")
-
-        monkeypatch.setattr(engine.quant, "quantize", spy)
-        model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
-        report = quantize_module(model, QuantizeOptions(bits=2, seq_len=48, max_samples=4, progress=False,
-                                                        true_sequential=true_sequential))
-        assert len(report.stats) == N_LINEARS
-        return report
-
-    run(False)
-    run(True)
-    o_shape, down_shape = (64, 64), (64, 160)  # o_proj [hidden, heads*dim]; down_proj [hidden, inter]
-    for shape in (o_shape, down_shape):  # first seen: layer 0's
-        a, b = seen[False][shape], seen[True][shape]
-        assert a.shape == b.shape and not torch.allclose(a, b, rtol=1e-3, atol=1e-6), shape
-    ident = QuantizeOptions(true_sequential=True).identity({})
-    assert ident["true_sequential"] is True and QuantizeOptions().identity({})["true_sequential"] is False
-
-
-def test_sign_draws_keep_the_smallest_proxy(tiny):
-    """With sign_draws = 3 each group keeps its best of three sign draws (draw 0 is the default
-    run's), so no group of layer 0 (the same inputs in both runs; later layers' inputs come from
-    the quantized layers before them) has a larger proxy loss and some have smaller ones; the bar
-    counts every draw's tiles."""
-    def run(draws):
-        model = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
-        opts = QuantizeOptions(bits=2, seq_len=48, max_samples=4, encoder="greedy", progress=False,
-                               sign_draws=draws)
-        report = quantize_module(model, opts)
-        groups: dict[str, float] = {}
-        for st in report.stats:
-            if st.layer == 0:
-                groups[st.shared_input] = groups.get(st.shared_input, 0.0) + st.proxy[2]
-        return groups, pipeline._tiles(pipeline.quantization_targets(model, opts), opts)
-
-    one, tiles1 = run(1)
-    three, tiles3 = run(3)
-    assert one.keys() == three.keys() and tiles3 == 3 * tiles1
-    assert all(three[g] <= one[g] * (1 + 1e-12) for g in one)
-    assert any(three[g] < one[g] * (1 - 1e-6) for g in one)
-    with pytest.raises(ModelError, match="sign-draws"):
-        QuantizeOptions(sign_draws=0)
-
-
 # -- bad input --------------------------------------------------------------------------------
 def test_missing_model_dir_and_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):

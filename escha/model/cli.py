@@ -46,12 +46,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="trellis encoder (default: escha.quantize's, the exact Viterbi)")
     p.add_argument("--no-hessian", action="store_true",
                    help="quantize without LDLQ (Hessians still measure the error); faster on CPU")
-    p.add_argument("--true-sequential", action="store_true",
-                   help="within each layer, take each group of Linears' Hessians with the groups the layer "
-                        "reads before it already quantized (one more calibration pass per group)")
-    p.add_argument("--sign-draws", type=int, default=1, metavar="N",
-                   help="encode each group of Linears N times with other random signs and keep the one "
-                        "with the smallest proxy loss (N times the encoding time; default 1)")
     p.add_argument("--restart", action="store_true", help="discard partial results in OUT_DIR/.partial")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
     p.add_argument("--quiet", action="store_true",
@@ -112,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
                 skip=skip_list(args.skip, args.quantize_lm_head), seed=args.seed,
                 device=str(resolve_device(args.device, "--device")), seq_len=args.seq_len,
                 max_samples=args.samples, encoder=args.encoder, use_hessian=not args.no_hessian,
-                true_sequential=args.true_sequential, sign_draws=args.sign_draws,
                 progress=False if args.quiet else None)
             report = quantize_model(args.model_dir, args.out_dir, options, restart=args.restart,
                                     overwrite=args.overwrite)

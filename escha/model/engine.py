@@ -155,11 +155,9 @@ class HessianCollector:
         return self.sums[name] / self.count[name]
 
 
-def linear_seed(seed: int, name: str, draw: int = 0) -> int:
-    """A per-Linear seed: the random signs differ between Linears yet stay reproducible. Draw d > 0
-    (``QuantizeOptions.sign_draws``) is another reproducible seed for the same Linear."""
-    key = name if draw == 0 else f"{name}#draw{draw}"
-    return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**31 - 1)
+def linear_seed(seed: int, name: str) -> int:
+    """A per-Linear seed: the random signs differ between Linears yet stay reproducible."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
 
 
 def measure(w: torch.Tensor, qw: QuantizedWeight, hessian: torch.Tensor) -> tuple[float, float, float]:
@@ -194,9 +192,7 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
     Linears that read one input (``hessians.shared_inputs()``) are quantized together
     (``escha.quant.quantize_shared``, seeded by the first one's name), so that they run as one
     product. The calibration Hessian goes to the quantizer (LDLQ) unless ``options.use_hessian``
-    is off; it always measures the proxy loss. With ``options.sign_draws`` > 1 each group is
-    encoded that many times at each K, with other random signs, and the draw whose members' proxy
-    losses sum lowest is kept. ``progress`` advances by every tile encoded.
+    is off; it always measures the proxy loss. ``progress`` advances by every tile encoded.
     """
     qws: dict[str, dict[int, QuantizedWeight]] = {}
     stats: list[LinearStats] = []
@@ -218,18 +214,13 @@ def quantize_linears(linears: list[tuple[str, nn.Linear]], hessians: HessianColl
             qws[n] = {}
         if progress is not None:
             progress.set_postfix_str(",".join(names), refresh=False)
+        seed = linear_seed(options.seed, names[0])
         for k in options.candidates:
-            best = None  # (summed proxy loss, parts, their measures) of the best draw so far
-            for draw in range(options.sign_draws):
-                kwargs = dict(bits=k, hessian=h if options.use_hessian else None,
-                              seed=linear_seed(options.seed, names[0], draw), progress=_advance(progress), **encoder)
-                parts = quant.quantize_shared(ws, **kwargs) if len(ws) > 1 else [quant.quantize(ws[0], **kwargs)]
-                measured = [measure(w, qw, hn) for w, qw, hn in zip(ws, parts, hs)]
-                total = sum(m[0] for m in measured)
-                if best is None or total < best[0]:
-                    best = (total, parts, measured)
-            for n, qw, st, m in zip(names, best[1], group, best[2]):
-                st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = m
+            kwargs = dict(bits=k, hessian=h if options.use_hessian else None, seed=seed,
+                          progress=_advance(progress), **encoder)
+            parts = quant.quantize_shared(ws, **kwargs) if len(ws) > 1 else [quant.quantize(ws[0], **kwargs)]
+            for n, w, qw, st, hn in zip(names, ws, parts, group, hs):
+                st.proxy[k], st.proxy_rel[k], st.weight_rel[k] = measure(w, qw, hn)
                 st.storage_bpw[k] = qw.bits_per_weight
                 qws[n][k] = qw
         seconds = time.perf_counter() - t0

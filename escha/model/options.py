@@ -40,16 +40,6 @@ class QuantizeOptions:
     max_samples: int = 128
     encoder: str | None = None  # escha.quantize's encoder ("viterbi", "greedy"); None = its default
     use_hessian: bool = True  # pass calibration Hessians to the encoder (LDLQ)
-    # Within a layer, quantize the Linears in the order the forward pass reads them (q/k/v, then
-    # o, then gate/up, then down), each stage's Hessians taken with the stages before it already
-    # quantized (GPTQ's "true sequential"); off: every Linear of a layer from one pass of the
-    # unquantized layer. One more calibration pass of the layer per stage.
-    true_sequential: bool = False
-    # Encode each group of Linears (each shared input) this many times with different random
-    # signs and keep the draw with the smallest proxy loss (the sum over the group's members).
-    # One quantization's signs alone moved SmolLM2's perplexity by 1.7% (K=3) and 7.4% (K=2)
-    # (docs/MODELS.md); the cost is this many encodings.
-    sign_draws: int = 1
     dtype: str = "float32"  # compute dtype of the calibration forward passes
     progress: bool | None = None  # a bar on stderr: None = when stderr is a terminal
 
@@ -63,8 +53,6 @@ class QuantizeOptions:
             raise ModelError(f"--bits must be one of {ALLOWED_BITS}, got {self.bits!r}")
         if self.seq_len < 2 or self.max_samples < 1:
             raise ModelError("seq_len must be >= 2 and max_samples >= 1")
-        if not isinstance(self.sign_draws, int) or self.sign_draws < 1:
-            raise ModelError(f"--sign-draws must be a whole number >= 1, got {self.sign_draws!r}")
         if self.encoder is not None:
             try:
                 self.encoder = check_encoder(self.encoder).value

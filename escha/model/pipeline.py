@@ -30,8 +30,8 @@ from .allocate import allocate_bits
 from .calib import calibration_seq_len, read_calibration, text_digest, tokenize
 from .checkpoint import (CheckpointReader, build_skeleton, find_layer_stack, is_tied_output,
                          load_tensors, meta_tensors, set_tensor, tie_output_embeddings)
-from .engine import (Calibration, HessianCollector, capture_inputs, in_order, input_groups, quantize_linears,
-                     run_tail, skip_matches, target_linears)
+from .engine import (Calibration, HessianCollector, capture_inputs, quantize_linears, run_tail, skip_matches,
+                     target_linears)
 from .errors import ModelError
 from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions
 from .report import QuantizeReport
@@ -61,7 +61,7 @@ class _Run:
     stack: nn.ModuleList
     options: QuantizeOptions
     device: torch.device
-    progress: tqdm  # counts tiles, every candidate K and sign draw: tile_count(shape) * len(candidates) * sign_draws
+    progress: tqdm  # counts tiles, every candidate K: tile_count(shape) * len(options.candidates)
     stats: list[LinearStats] = field(default_factory=list)
     layer_seconds: dict[int, float] = field(default_factory=dict)
     resumed: list[int] = field(default_factory=list)
@@ -195,34 +195,13 @@ def _quantize_stack(run: _Run, calib: Calibration, samples: list[torch.Tensor],
     return bool(tail)
 
 
-def _collect(calib: Calibration, layer: nn.Module, linears) -> HessianCollector:
-    """Hessians (and shared inputs) of ``linears`` from one calibration pass of ``layer``."""
+def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, index: int):
     collector = HessianCollector(linears)
     try:
         calib.run(layer)
     finally:
         collector.remove()
-    return collector
-
-
-def _quantize_layer(run: _Run, calib: Calibration, layer: nn.Module, linears, index: int):
-    collector = _collect(calib, layer, linears)
-    if not run.options.true_sequential:
-        return quantize_linears(linears, collector, index, run.options, run.progress)
-    # Stages in the order the layer reads its Linears (the readers of one input together); a
-    # stage's Hessians come from a pass with the stages before it installed at propagate_bits.
-    modules = dict(linears)
-    qws: Candidates = {}
-    stats: list[LinearStats] = []
-    for i, names in enumerate(input_groups(linears, collector)):
-        members = [(n, modules[n]) for n in names]
-        if i > 0:
-            collector = _collect(calib, layer, members)
-        stage_qws, stage_stats = quantize_linears(members, collector, index, run.options, run.progress)
-        run.install(members, stage_qws, run.options.propagate_bits, dense=True)
-        qws.update(stage_qws)
-        stats += stage_stats
-    return qws, in_order(stats, linears)
+    return quantize_linears(linears, collector, index, run.options, run.progress)
 
 
 def _quantize_tail(run: _Run, calib: Calibration, samples, tail):
@@ -237,7 +216,7 @@ def _weight_tiles(linears: list[tuple[str, nn.Module]]) -> int:
 
 def _tiles(linears: list[tuple[str, nn.Module]], options: QuantizeOptions) -> int:
     """Tiles the encoder processes for these Linears: every tile once per candidate K."""
-    return _weight_tiles(linears) * len(options.candidates) * options.sign_draws
+    return _weight_tiles(linears) * len(options.candidates)
 
 
 def quantization_targets(model: nn.Module, options: QuantizeOptions) -> list[tuple[str, nn.Module]]:
@@ -265,16 +244,15 @@ def _notice_if_slow(linears: list[tuple[str, nn.Module]], options: QuantizeOptio
     if options.encoder == "greedy" or not linears:
         return
     tiles = _weight_tiles(linears)
-    gpu = options.sign_draws * sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
-    draws = f", {options.sign_draws} sign draws each" if options.sign_draws > 1 else ""
-    work = f"encoding {len(linears)} Linears ({tiles:,} tiles at K={'/'.join(map(str, options.candidates))}{draws})"
+    gpu = sum(estimate_seconds(tiles, k, "cuda") for k in options.candidates)
+    work = f"encoding {len(linears)} Linears ({tiles:,} tiles at K={'/'.join(map(str, options.candidates))})"
     if device.type == "cuda":
         if gpu >= GPU_SLOW_SECONDS:
             warnings.warn(f"{work} will take about {format_seconds(gpu)} at the H200's measured rate "
                           f"(other GPUs differ), calibration not included", SlowWorkWarning, stacklevel=3)
         return
     threads = torch.get_num_threads()
-    seconds = options.sign_draws * sum(estimate_seconds(tiles, k, device, threads=threads) for k in options.candidates)
+    seconds = sum(estimate_seconds(tiles, k, device, threads=threads) for k in options.candidates)
     if seconds >= SLOW_SECONDS:
         warnings.warn(f"{work} will take about {format_seconds(seconds)} on this CPU, calibration not "
                       f"included; an H200 takes ~{format_seconds(gpu)}: run on a machine with a CUDA GPU "
