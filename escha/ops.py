@@ -64,6 +64,12 @@ class KernelPath(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def fp8_operands(self) -> bool:
+        """Whether the path's GEMM multiplies e4m3 operands (relative error ~4e-2 against the
+        16-bit paths' ~2e-3: docs/KERNELS.md, prefill tolerance table)."""
+        return self in (KernelPath.PREFILL, KernelPath.DEQUANT_FP8, KernelPath.DEQUANT_CORE_FP8)
+
 
 class Precision(str, enum.Enum):
     """Operand precision of the GEMM: fp8 e4m3 (fast) or bf16 (accuracy-first)."""

@@ -13,9 +13,8 @@ from escha.ops import available_paths, resolve_path
 
 from .base import DEFAULT_TOLERANCE, Arm, ArmMeta
 
-# Paths whose GEMM operands are fp8 e4m3 (3 mantissa bits): their relative error is ~4e-2
-# (docs/KERNELS.md, prefill tolerance table), so their gate is wider than the 16-bit paths'.
-FP8_PATHS = ("prefill", "dequant-fp8", "dequant-core-fp8")
+# The gate of paths whose GEMM operands are fp8 e4m3 (KernelPath.fp8_operands): their relative
+# error is ~4e-2 (docs/KERNELS.md, prefill tolerance table), so it is wider than the 16-bit paths'.
 FP8_TOLERANCE = 8e-2
 
 BITS = 2
@@ -72,8 +71,8 @@ class EschaArm(Arm):
             if self.path not in paths:
                 raise LookupError(f"path {self.path!r} not available at M={M} (available: {paths})")
         # The gate follows the path this point runs: fp8 operands carry e4m3 rounding.
-        ran = resolve_path(M, qw, self.path).value
-        self.meta = dataclasses.replace(self.meta, tolerance=FP8_TOLERANCE if ran in FP8_PATHS
+        ran = resolve_path(M, qw, self.path)
+        self.meta = dataclasses.replace(self.meta, tolerance=FP8_TOLERANCE if ran.fp8_operands
                                         else DEFAULT_TOLERANCE)
         return qw
 
