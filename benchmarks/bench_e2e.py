@@ -218,12 +218,17 @@ def measure(model, batch: int, args, device: torch.device) -> dict:
     raise RuntimeError(f"every decode mode failed: {errors}")
 
 
+def prompt_ids(model, tokens: int, device: torch.device) -> torch.Tensor:
+    """The fixed random prompt [1, tokens] that the prompt timings and profiles run."""
+    return torch.randint(0, model.config.vocab_size, (1, tokens), device=device,
+                         generator=torch.Generator(device=device).manual_seed(2))
+
+
 def prefill_times(model, tokens: int, args, device: torch.device) -> dict:
     """One prompt of ``tokens`` tokens through the whole model (batch 1, no cache: the forward a
     prompt costs before its first new token), eager, after two warm-up passes; best of the
     repeats. escha's Linears take their prompt-length paths here (dequantize-once past 96 tokens)."""
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device,
-                        generator=torch.Generator(device=device).manual_seed(2))
+    ids = prompt_ids(model, tokens, device)
     times = []
     with torch.no_grad():
         for i in range(2 + args.repeats):
@@ -285,8 +290,7 @@ def prefill_profile(model, tokens: int, device: torch.device, top: int = 20) -> 
     GPU kernel time by name and the CPU operators with the most self time (where a prompt's time
     goes when it is not in the GPU's kernels)."""
     from torch.profiler import ProfilerActivity, profile
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device,
-                        generator=torch.Generator(device=device).manual_seed(2))
+    ids = prompt_ids(model, tokens, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
