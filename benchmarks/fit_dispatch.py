@@ -17,7 +17,8 @@ force (``escha``) and its loss, and both against bf16 and fp8 cuBLAS (issue targ
 Candidates are the fp8-precision paths (``decode``, ``decode-wgmma``, ``prefill``, ``dequant-core-fp8``,
 ``dequant-fp8``); the two dequantize-once forms count as one stage of the rule, chosen between by
 rows per 128 inputs (``core_m_per_kblock``, fitted over the points where both ran);
-``dequant-bf16`` is what ``precision="bf16"`` selects, and ``reference`` is not a kernel.
+``dequant-core-bf16`` and ``dequant-bf16`` are what ``precision="bf16"`` selects (by the same
+rows per 128 inputs), and ``reference`` is not a kernel.
 """
 from __future__ import annotations
 
