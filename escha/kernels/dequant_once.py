@@ -29,8 +29,8 @@ from ..format.spec import HAD_BLOCK, TILE
 from .actquant import actquant
 from .codec import CodecPath, codec_path, decode_block
 from .dequant import DequantConfig, dequant_config, dequantize_core
-from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, constant_vector,
-                     dot_dtype, hadamard_operand, load_hadamard, round_to, row_scale_block, workspace)
+from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
+                     hadamard_operand, load_hadamard, round_to, row_scale_block, workspace)
 from .transforms import hadamard_output_dense
 
 
@@ -186,7 +186,7 @@ def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
                                  out=workspace(qw.device, dtype, (np_, kp)))
     if fp8:
         xq, xscale = actquant(x2d, qw)
-        z = scaled_mm_rowwise(xq, t.t(), xscale, constant_vector(x.device, np_, t_scale))
+        z = scaled_mm_rowwise(xq, t.t(), xscale, torch.full((np_,), t_scale, device=x.device))
     else:
         xb, _ = actquant(x2d, qw, fp8=False)
         z = xb @ t.t()
