@@ -466,33 +466,23 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_wgmma_config(qw, m, x.device)
-    pdl = cfg.dependent_launch
-    xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl, release_early=pdl and cfg.early_start,
-                             norm=norm)
-    ws = gemm_partials(xq, qw, cfg)
-    y = output_tensor(x, m, qw.out_features, out)
-    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm)
-    return y.reshape(*x.shape[:-1], qw.out_features)
-
-
-def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig) -> torch.Tensor:
-    """The GEMM kernel alone: fp32 partials z^T [split, M, Np] of x' (``hadamard_input(...,
-    mma_order=True)``'s fp16 output, [M, Kp]) against the weight's words. The middle of the
-    three launches of a call; the benchmarks also time it by itself."""
-    m = xq.shape[0]
     np_, kp = qw.padded_shape
     nkb = kp // BLOCK_K
     words = packed_words(qw)
+    pdl = cfg.dependent_launch
+    xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl, release_early=pdl and cfg.early_start,
+                             norm=norm)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
     split = triton.cdiv(nkb, kb_per)
-    ws = torch.empty((split, m, np_), dtype=torch.float32, device=xq.device)
+    ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
+    y = output_tensor(x, m, qw.out_features, out)
     grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
-    pdl = cfg.dependent_launch
     _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
                                STAGES=cfg.stages, FRAGS=cfg.fragments, PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return ws
+    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm)
+    return y.reshape(*x.shape[:-1], qw.out_features)
 
 
 # -- Why the configuration is what it is ---------------------------------------------------------
