@@ -35,13 +35,16 @@
 #                  model under the torch profiler (bench_e2e.py --profile-prefill: host time against
 #                  GPU kernel time); then decode without CUDA graphs (eager, as transformers' generate
 #                  runs by default). The decode call's breakdown by kernel is on branch decode-candidates.
+# PHASE "host":    GPU tests, then the host time of one eager escha.matmul call beside its GPU time
+#                  (benchmarks/bench_host.py, with cProfile's top functions); run "profile" after it
+#                  for the whole model eager.
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -149,6 +152,10 @@ case "$phase" in
       --new-tokens 8 --repeats 1 --no-profile --profile-prefill 512,2048 --out "$out/e2e_prefill_profile_h200.json"
     step e2e_eager 150 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 --graphs none \
       --new-tokens 32 --repeats 2 --no-profile --out "$out/e2e_eager_h200.json"
+    ;;
+  host)
+    step gpu_tests 270 python -m pytest -q -m gpu tests
+    step host 150 python benchmarks/bench_host.py --out "$out/host_h200.json" --profile "$out/host_profile_h200.txt"
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_operand,
+from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_operand, launch,
                      load_hadamard, round_to, workspace)
 
 
@@ -168,15 +168,15 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     h = hadamard_operand(x.device, ddt)
     # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
     # per model) and a constant-size reduction in pass 2.
-    launch = dict(T=cfg.tiles_per_prog, NKB=nkb, BM=cfg.block_m, HB=HAD_BLOCK, DOT_DTYPE=ddt,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    settings = dict(T=cfg.tiles_per_prog, NKB=nkb, BM=cfg.block_m, HB=HAD_BLOCK, DOT_DTYPE=ddt,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fp8:
-        transform_bf16_kernel[grid](x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0), **launch)
+        launch(transform_bf16_kernel, grid, x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0), **settings)
         return out, None
     part = partial_amax_workspace(x.device, m, nkb)
-    absmax_kernel[grid](x2d, qw.sv, h, part, m, k, x2d.stride(0), **launch)
-    quantize_kernel[grid](x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
-                          NKB_P2=triton.next_power_of_2(nkb), **launch)
+    launch(absmax_kernel, grid, x2d, qw.sv, h, part, m, k, x2d.stride(0), **settings)
+    launch(quantize_kernel, grid, x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
+           NKB_P2=triton.next_power_of_2(nkb), **settings)
     return out, xscale
 
 # Configuration note. One tile a program: at M=512, K=5120 that is 8 x 40 = 320 programs per

@@ -31,6 +31,7 @@ reproducible.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -46,7 +47,8 @@ from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
-from .common import check_codebook, check_operands, dependent_launch_supported, interpreted, output_tensor
+from .common import (check_codebook, check_operands, dependent_launch_supported, device_capability, interpreted,
+                     launch, output_tensor)
 from .transforms import hadamard_input, hadamard_output
 from .triton_compat import tma_async_load
 
@@ -61,6 +63,7 @@ SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
 WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
+@functools.cache
 def x_smem_layout(block_tokens: int) -> gl.NVMMASharedLayout:
     """Shared layout of an activation tile [block_tokens, 128] fp16 (wgmma's B operand, K-major)."""
     return gl.NVMMASharedLayout.get_default_for([block_tokens, BLOCK_K], gl.float16)
@@ -106,26 +109,33 @@ def pack_words(qw: QuantizedWeight) -> torch.Tensor:
     return v.reshape(tn // 8, tk // 8, 2, FRAGMENT_WORDS).contiguous()
 
 
-_PACKED: dict[int, torch.Tensor] = {}
+_PACKED: dict[int, tuple[torch.Tensor, TensorDescriptor]] = {}
+
+
+def _packed(qw: QuantizedWeight) -> tuple[torch.Tensor, TensorDescriptor]:
+    """(words, their TMA descriptor), made on the first call for a weight and kept while its
+    trellis tensor lives."""
+    key = id(qw.trellis)
+    entry = _PACKED.get(key)
+    if entry is None:
+        words = pack_words(qw)
+        entry = words, TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
+        _PACKED[key] = entry
+        weakref.finalize(qw.trellis, _PACKED.pop, key, None)
+    return entry
 
 
 def packed_words(qw: QuantizedWeight) -> torch.Tensor:
     """``pack_words(qw)``, computed on the first call for a weight and kept while its trellis
     tensor lives (one repack at load; call once before capturing a CUDA graph)."""
-    key = id(qw.trellis)
-    words = _PACKED.get(key)
-    if words is None:
-        words = pack_words(qw)
-        _PACKED[key] = words
-        weakref.finalize(qw.trellis, _PACKED.pop, key, None)
-    return words
+    return _packed(qw)[0]
 
 
 def runs_on(device: torch.device, bits: int) -> bool:
     """Whether this kernel can run for a K=bits weight on ``device``: a Hopper GPU (sm_90; wgmma),
     compiled Triton (Gluon has no interpreter), K in SUPPORTED_BITS."""
     return (device.type == "cuda" and not interpreted() and bits in SUPPORTED_BITS
-            and torch.cuda.get_device_capability(device) == (9, 0))
+            and device_capability(device) == (9, 0))
 
 
 def mma_column_order(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -356,7 +366,8 @@ def decoded_fragments(qw: QuantizedWeight, words: torch.Tensor | None = None) ->
     np_, kp = qw.padded_shape
     words = pack_words(qw) if words is None else words
     out = torch.empty((np_, kp), dtype=torch.float16, device=qw.device)
-    _fragment_kernel[(np_ // FRAGMENT_ROWS, kp // BLOCK_K)](words, out, kp // BLOCK_K, BITS=qw.bits, num_warps=4)
+    launch(_fragment_kernel, (np_ // FRAGMENT_ROWS, kp // BLOCK_K), words, out, kp // BLOCK_K, BITS=qw.bits,
+           num_warps=4)
     return out
 
 
@@ -400,13 +411,19 @@ def config_with_split(qw: QuantizedWeight, m: int, split: int | None,
     start the rule gives that grid: what benchmarks/fit_splitk.py sweeps."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
-    kp = qw.padded_shape[1]
+    return _config(*qw.padded_shape, m, split, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _config(np_: int, kp: int, m: int, split: int | None, device: torch.device | None) -> DecodeWgmmaConfig:
+    """config_with_split for a weight of padded shape (np_, kp): kept per argument set, since every
+    decode call asks for it."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
     stages = 3 if block_tokens <= 128 else 2
     fragments = 2 if block_tokens <= 64 else 1
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
-    row_programs = qw.padded_shape[0] // (FRAGMENT_ROWS * fragments) * triton.cdiv(m, block_tokens)
+    row_programs = np_ // (FRAGMENT_ROWS * fragments) * triton.cdiv(m, block_tokens)
     if split is None:
         if block_tokens <= 16:
             split = 6
@@ -468,19 +485,18 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     cfg = config or decode_wgmma_config(qw, m, x.device)
     np_, kp = qw.padded_shape
     nkb = kp // BLOCK_K
-    words = packed_words(qw)
+    _, w_desc = _packed(qw)
     pdl = cfg.dependent_launch
     xq, inv = hadamard_input(x2d, qw, mma_order=True, dependent_launch=pdl, release_early=pdl and cfg.early_start,
                              norm=norm)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
-    w_desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
     kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
     split = triton.cdiv(nkb, kb_per)
     ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
     y = output_tensor(x, m, qw.out_features, out)
     grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
-    _decode_wgmma_kernel[grid](x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
-                               STAGES=cfg.stages, FRAGS=cfg.fragments, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    launch(_decode_wgmma_kernel, grid, x_desc, w_desc, ws, m, np_, nkb, kb_per, BITS=qw.bits, BN=cfg.block_tokens,
+           STAGES=cfg.stages, FRAGS=cfg.fragments, PDL=pdl, num_warps=4, launch_pdl=pdl)
     hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm)
     return y.reshape(*x.shape[:-1], qw.out_features)
 

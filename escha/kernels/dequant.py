@@ -16,7 +16,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import TILE
 from .codec import CodecPath, codec_path, decode_block
-from .common import CORE_FP8_SCALE, check_codebook, round_to
+from .common import CORE_FP8_SCALE, check_codebook, launch, round_to
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
@@ -88,6 +88,6 @@ def dequantize_core(qw: QuantizedWeight, dtype: torch.dtype = torch.float16, *,
     scale = CORE_FP8_SCALE.value if dtype == torch.float8_e4m3fn else 1.0
     kt = kp // TILE
     grid = (np_ // cfg.block_n, kt // cfg.block_kt)
-    _dequant_kernel[grid](qw.trellis, out, kt, out.stride(0), SCALE=scale, BITS=qw.bits, BN=cfg.block_n,
-                          BKT=cfg.block_kt, USE_PTX=cfg.codec == CodecPath.PTX, num_warps=cfg.num_warps)
+    launch(_dequant_kernel, grid, qw.trellis, out, kt, out.stride(0), SCALE=scale, BITS=qw.bits, BN=cfg.block_n,
+           BKT=cfg.block_kt, USE_PTX=cfg.codec == CodecPath.PTX, num_warps=cfg.num_warps)
     return out, 1.0 / scale

@@ -30,7 +30,7 @@ from .actquant import actquant
 from .codec import CodecPath, codec_path, decode_block
 from .dequant import DequantConfig, dequant_config, dequantize_core
 from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
-                     hadamard_operand, load_hadamard, round_to, row_scale_block, workspace)
+                     hadamard_operand, launch, load_hadamard, round_to, row_scale_block, workspace)
 from .transforms import hadamard_output_dense
 
 
@@ -121,10 +121,10 @@ def dequant_hn(qw: QuantizedWeight, *, fp8: bool = True, config: DequantOnceConf
     grid = (np_ // HAD_BLOCK, kb_total // kpp)
     ddt = dot_dtype(torch.float16)
     h = hadamard_operand(dev, ddt, HN_FP8_SCALE.value)
-    dequant_hn_kernel[grid](qw.trellis, qw.su, qw.scale, qw.gscale, h, w, ws if fp8 else w, w.stride(0), np_,
-                            KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8,
-                            DOT_DTYPE=ddt, USE_PTX=cfg.codec == CodecPath.PTX,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(dequant_hn_kernel, grid, qw.trellis, qw.su, qw.scale, qw.gscale, h, w, ws if fp8 else w, w.stride(0), np_,
+           KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8,
+           DOT_DTYPE=ddt, USE_PTX=cfg.codec == CodecPath.PTX,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return w, ws
 
 

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, dot_dtype, hadamard_operand, load_hadamard,
+from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, dot_dtype, hadamard_operand, launch, load_hadamard,
                      release_dependents, round_to, row_scale_block, wait_for_producer)
 
 
@@ -128,13 +128,13 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
     ddt = dot_dtype(x2d.dtype)
     # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
-    _input_transform_kernel[grid](x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale,
-                                  x2d if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-                                  qw.in_features, kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
-                                  AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
-                                  MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early,
-                                  NORM=norm is not None, X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4,
-                                  launch_pdl=dependent_launch)
+    launch(_input_transform_kernel, grid, x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale,
+           x2d if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+           qw.in_features, kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
+           AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
+           MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early,
+           NORM=norm is not None, X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4,
+           launch_pdl=dependent_launch)
     return out, inv_scale
 
 
@@ -196,10 +196,10 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
-    _output_transform_kernel[grid](z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale,
-                                   inv_scale, hw, hb, 0.0 if head_norm is None else head_norm.eps, m,
-                                   qw.out_features, np_, out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch,
-                                   HEAD_NORM=head_norm is not None, num_warps=4, launch_pdl=dependent_launch)
+    launch(_output_transform_kernel, grid, z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale,
+           inv_scale, hw, hb, 0.0 if head_norm is None else head_norm.eps, m,
+           qw.out_features, np_, out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch,
+           HEAD_NORM=head_norm is not None, num_warps=4, launch_pdl=dependent_launch)
     return out
 
 
@@ -239,7 +239,7 @@ def hadamard_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tenso
     bm = 64
     ddt = dot_dtype(z.dtype)
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
-    _output_hadamard_kernel[grid](z, hadamard_operand(z.device, ddt), out, qw.scale, qw.su, qw.gscale, m,
-                                  qw.out_features, z.stride(0), out.stride(0), BM=bm, DOT_DTYPE=ddt,
-                                  num_warps=4)
+    launch(_output_hadamard_kernel, grid, z, hadamard_operand(z.device, ddt), out, qw.scale, qw.su, qw.gscale, m,
+           qw.out_features, z.stride(0), out.stride(0), BM=bm, DOT_DTYPE=ddt,
+           num_warps=4)
     return out

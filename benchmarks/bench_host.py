@@ -1,0 +1,101 @@
+"""Host time of one escha.matmul call, eager (no CUDA graph), beside the GPU time of the same call.
+
+    python benchmarks/bench_host.py --out FILE.json [--ms 1,16,512,2048] [--profile FILE.txt]
+
+An eager call is bound by whichever is longer: the host work (Python, argument checks, the
+dispatch rule, Triton's launches) or the kernels. "host" is the mean wall time of N calls issued
+back to back without synchronizing (the host's pace when the GPU keeps up); "eager" adds the final
+synchronize; "gpu" is the same call replayed in a CUDA graph (no host work), weights rotated past
+L2. Arms: the public ``escha.matmul`` and, where M is in the decode range, ``decode_wgmma``
+called directly (what the custom op and the dispatch cost on top). ``--profile`` writes cProfile's
+top functions for escha.matmul at each M.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+import escha
+from escha.ops import DEFAULT_RULE, resolve_path
+from escha.bench.cuda_timing import GraphTimer
+from escha.kernels.decode_wgmma import decode_wgmma, packed_words
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import env_info, weight_set  # noqa: E402
+
+SHAPE = (17408, 5120)  # Qwen3-14B gate/up
+
+
+def host_us(fn, calls: int, rounds: int) -> tuple[float, float]:
+    """(median host µs a call, median µs a call with the closing synchronize) over rounds of calls."""
+    host, eager = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        eager.append((t2 - t0) / calls * 1e6)
+    return statistics.median(host), statistics.median(eager)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="1,16,512,2048")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", help="write cProfile's top functions of escha.matmul here")
+    args = ap.parse_args()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    ws = weight_set(*SHAPE, 4 * l2 / 2, seed=1)
+    for w in ws:
+        packed_words(w)
+    results = {"env": env_info(), "shape": list(SHAPE), "calls": args.calls, "rounds": args.rounds, "points": []}
+    timer = GraphTimer(replays=10)
+    profile_text = []
+    for m in [int(v) for v in args.ms.split(",")]:
+        x = torch.randn(m, SHAPE[1], device="cuda", dtype=torch.bfloat16)
+        arms = {"matmul": lambda i: escha.matmul(x, ws[i % len(ws)])}
+        if m <= DEFAULT_RULE.decode_max_m:
+            arms["decode_wgmma"] = lambda i: decode_wgmma(x, ws[i % len(ws)])
+        point = {"M": m, "path": str(resolve_path(m, ws[0])), "us": {}}
+        for name, fn in arms.items():
+            fn(0)
+            host, eager = host_us(lambda fn=fn: fn(0), args.calls, args.rounds)
+            gpu = statistics.median(timer.build(fn, len(ws), name).sample() for _ in range(3))
+            point["us"][name] = {"host": host, "eager": eager, "gpu": gpu}
+            print(f"M={m:5d} {name:13s} host {host:7.1f} us  eager {eager:7.1f} us  gpu {gpu:7.1f} us", flush=True)
+        results["points"].append(point)
+        if args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(50):
+                arms["matmul"](0)
+            pr.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+            profile_text.append(f"# escha.matmul, M={m}, 50 calls\n{s.getvalue()}")
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n".join(profile_text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
