@@ -214,19 +214,33 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
     where its GEMM starts early, and at 32 tokens or more); elsewhere the portable kernel, up to
     its 64 tokens; above those, dequantize-once. A path asked for by name runs as asked.
     """
-    if not _kernels_run_on(qw.device) or qw.codebook_id != 0:
+    if path is not None and path not in _PATH_CODE:
+        raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
+    device = qw.device
+    return _resolve(m, qw.shape, qw.bits, qw.codebook_id, device, _kernels_run_on(device),
+                    None if path is None else _PATH_CODE[path], _PRECISION_CODE[precision], rule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve(m: int, shape: tuple[int, int], bits: int, codebook_id: int, device: torch.device, kernels: bool,
+             path: int | None, precision: int, rule: DispatchRule) -> KernelPath:
+    """resolve_path for a weight's shape, bits, codebook and device (``kernels``: whether kernels
+    run there): kept per argument set, since every call asks for it (an eager decode step makes
+    160 calls)."""
+    if not kernels or codebook_id != 0:
         # The kernels implement the 3INST codebook (id 0) only; others decode by reference.
         return KernelPath.REFERENCE
     if path is not None:
-        return _PATHS[_PATH_CODE[path]]
-    chosen = rule.choose(m, precision, in_features=qw.in_features)
+        return _PATHS[path]
+    qw = QuantizedWeight.placeholder(shape, bits, codebook_id, device="meta")
+    chosen = rule.choose(m, _PRECISIONS[precision], in_features=qw.in_features)
     if chosen != KernelPath.DECODE:
         return chosen
-    if dispatch_table()[KernelPath.DECODE_WGMMA].available(qw.device, qw.bits, m, True):
+    if dispatch_table()[KernelPath.DECODE_WGMMA].available(device, bits, m, True):
         from .kernels.decode_wgmma import preferred_over_portable
-        if preferred_over_portable(qw, m, qw.device):
+        if preferred_over_portable(qw, m, device):
             return KernelPath.DECODE_WGMMA
-    if dispatch_table()[KernelPath.DECODE].available(qw.device, qw.bits, m, True):
+    if dispatch_table()[KernelPath.DECODE].available(device, bits, m, True):
         return KernelPath.DECODE
     return rule.dequant_path(m, qw.in_features)  # past the portable kernel's range
 

@@ -1,71 +1,86 @@
-"""common.launch: a compiled kernel is kept per specialization and launched directly after.
+"""common.launch and Prepared: a launch through Triton, kept to run again with new tensors.
 
-The CPU tests check what separates two specializations; the GPU tests launch a real kernel
-through both paths (Triton's on the first call of a key, the kept kernel after) with fresh,
-poisoned outputs, and check that a change Triton would specialize on compiles a new variant.
+decode_wgmma keeps its three launches per (weight, layout of x, settings) and later calls only
+run them again; the GPU tests check that such a call is bit for bit the call that made the plan,
+with fresh inputs and poisoned outputs, and that what the plan fixed (x's alignment and strides,
+the norms, a caller's output) makes a plan of its own.
 """
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from escha.kernels import common
-from escha.kernels.common import _specialization, launch
-
-
-def test_specialization_separates_what_triton_specializes_on():
-    x = torch.zeros(64, dtype=torch.float16)
-    assert _specialization(x) == (torch.float16, True)
-    assert _specialization(x[1:]) == (torch.float16, False)  # 2 bytes off a 16-byte boundary
-    assert _specialization(x[8:]) == (torch.float16, True)
-    assert _specialization(x.float()) != _specialization(x)
-    ints = [_specialization(v) for v in (1, 16, 17, 2**31, -1)]
-    assert len(set(ints)) == len(ints)  # 1, divisible by 16, neither, and the widths all differ
-    assert _specialization(3) == _specialization(5)  # an ordinary int is not a key of its own
-    assert _specialization(True) != _specialization(1)
-    assert _specialization(0.5) == _specialization(2.0)
-    assert _specialization(None) == "none"
-    assert _specialization("text") is None  # unknown types take Triton's own launch
+from escha.kernels.common import launch
 
 
 @triton.jit
-def _axpb_kernel(x_ptr, y_ptr, n, a, stride, BLOCK: tl.constexpr, PLUS: tl.constexpr = 1.0):
+def _axpb_kernel(x_ptr, y_ptr, n, a, BLOCK: tl.constexpr, PLUS: tl.constexpr = 1.0):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + i * stride, mask=i < n)
-    tl.store(y_ptr + i, v * a + PLUS, mask=i < n)
+    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) * a + PLUS, mask=i < n)
 
 
-def _run(x: torch.Tensor, n: int, a: float, **kwargs):
-    y = torch.full((n,), float("nan"), device=x.device, dtype=x.dtype)  # poisoned
-    compiled = launch(_axpb_kernel, (triton.cdiv(n, 128),), x, y, n, a, x.stride(0), BLOCK=128, **kwargs)
-    torch.testing.assert_close(y, x[:n] * a + kwargs.get("PLUS", 1.0), rtol=0, atol=1e-6)
-    return compiled
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_launch_runs_the_kernel():
+    x = torch.randn(300, device=_device())
+    y = torch.full_like(x, float("nan"))
+    prepared = launch(_axpb_kernel, (3,), x, y, 300, 0.5, BLOCK=128, slots=("x_ptr", "y_ptr"))
+    torch.testing.assert_close(y, x * 0.5 + 1.0, rtol=0, atol=1e-6)
+    assert (prepared is None) == (x.device.type == "cpu")  # nothing compiled to keep off the GPU
 
 
 @pytest.mark.gpu
-def test_launch_keeps_one_kernel_per_specialization():
-    dev = torch.device("cuda")
-    common._COMPILED.clear()
-    base = torch.randn(4096, device=dev)
-    first = _run(base.clone(), 1000, 0.5)
-    assert len(common._COMPILED) == 1
-    # Same key, fresh operands and scalars: the kept kernel, launched directly.
+def test_prepared_runs_again_with_new_tensors():
+    x = torch.randn(1000, device="cuda")
+    y = torch.empty_like(x)
+    prepared = launch(_axpb_kernel, (8,), x, y, 1000, -2.0, BLOCK=128, PLUS=3.0, slots=("x_ptr", "y_ptr"))
+    assert prepared.values[0] is None and prepared.values[1] is None  # it keeps no per-call tensor
     for _ in range(3):
-        assert _run(torch.randn(4096, device=dev), 1000, -2.0) is first
-    assert len(common._COMPILED) == 1
-    # What Triton specializes on compiles (and keeps) a new variant each.
-    seen = {id(first)}
-    big = torch.randn(16 * 1024, device=dev)
-    for x, n, kwargs in ((base[1:], 1000, {}),  # 4 bytes off alignment
-                         (base, 1, {}),  # n == 1
-                         (base, 1008, {}),  # n divisible by 16
-                         (base[::2], 1000, {}),  # stride 2 instead of 1
-                         (big[::16], 1000, {}),  # stride divisible by 16
-                         (base, 1000, {"num_warps": 8}),  # a launch option
-                         (base, 1000, {"PLUS": 3.0})):  # a constexpr by keyword
-        compiled = _run(x, n, 0.25, **kwargs)
-        assert id(compiled) not in seen
-        seen.add(id(compiled))
-        assert _run(x, n, 0.75, **kwargs) is compiled  # and its second launch is direct
-    assert len(common._COMPILED) == 8
-    assert _run(base[4:], 1000, 1.5) is first  # 16 bytes on: aligned again, the first variant
+        x2 = torch.randn(1000, device="cuda")
+        y2 = torch.full_like(x2, float("nan"))
+        prepared.run(x2, y2)
+        torch.testing.assert_close(y2, x2 * -2.0 + 3.0, rtol=0, atol=1e-6)
+
+
+def _decode_cases():
+    from escha.norm import HeadNorm, RowNorm
+    dev = torch.device("cuda")
+    norm = RowNorm(torch.rand(1024, device=dev, dtype=torch.bfloat16) + 0.5, 1e-6)
+    head = HeadNorm(torch.rand(512, device=dev, dtype=torch.bfloat16) + 0.5,
+                    torch.tensor([1, 0, 1, 0], dtype=torch.int8, device=dev), 1e-6)
+    big = torch.randn(64 * 1024 + 8, device=dev, dtype=torch.bfloat16)
+    return [
+        ("M=1", lambda: torch.randn(1, 1024, device=dev, dtype=torch.bfloat16), {}),
+        ("M=16 fp16", lambda: torch.randn(16, 1024, device=dev, dtype=torch.float16), {}),
+        ("M=40 fp32", lambda: torch.randn(40, 1024, device=dev), {}),
+        ("norms", lambda: torch.randn(3, 1024, device=dev, dtype=torch.bfloat16), {"norm": norm, "head_norm": head}),
+        ("strided x", lambda: torch.randn(4, 2048, device=dev, dtype=torch.bfloat16)[:, ::2], {}),
+        ("misaligned x", lambda: big[1:1 + 8 * 1024].view(8, 1024).copy_(torch.randn(8, 1024)), {}),
+    ]
+
+
+@pytest.mark.gpu
+def test_decode_wgmma_plans_are_bit_for_bit_the_first_call():
+    from escha.format import random_qweight
+    from escha.kernels.decode_wgmma import _packed, decode_wgmma, runs_on
+    if not runs_on(torch.device("cuda"), 2):
+        pytest.skip("needs a Hopper GPU")
+    qw = random_qweight(512, 1024, bits=2, seed=7, device="cuda")
+    plans = _packed(qw).plans
+    for label, make_x, kwargs in _decode_cases():
+        before = len(plans)
+        x = make_x()
+        first = decode_wgmma(x, qw, **kwargs)  # through Triton: makes this key's plan
+        assert len(plans) == before + 1, label
+        for _ in range(2):
+            again = decode_wgmma(x, qw, **kwargs)  # the plan (a fresh, unwritten output)
+            assert torch.equal(again, first), label
+        assert len(plans) == before + 1, label
+        x2 = make_x()
+        out = torch.full((x2.shape[0], 512), float("nan"), device="cuda", dtype=x2.dtype)
+        y2 = decode_wgmma(x2, qw, out=out, **kwargs)  # a caller's output: a plan of its own
+        assert y2.data_ptr() == out.data_ptr() and torch.isfinite(y2).all(), label
+        plans.clear()
+        assert torch.equal(decode_wgmma(x2, qw, **kwargs), y2), label  # Triton's path again, same bits

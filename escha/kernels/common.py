@@ -4,8 +4,8 @@ One place decides whether Triton runs in its CPU interpreter (``interpreted``), 
 may run inline PTX (``ptx_enabled``) and whether the kernels can run on a device at all
 (``kernels_run_on``), and whether launches may overlap their predecessor's tail
 (``dependent_launch_supported``, with ``wait_for_producer``/``release_dependents`` in the
-kernels). Every launch goes through ``launch``, which keeps each compiled variant and launches it
-without Triton's per-call binding. Every op checks its operands with ``check_operands``/``check_codebook``,
+kernels). Every launch goes through ``launch``, which returns the compiled variant prepared for launching
+again without Triton's per-call binding (``Prepared``). Every op checks its operands with ``check_operands``/``check_codebook``,
 rounds to narrower floats through ``round_to`` only, and builds the +-1 Hadamard matrix and the
 output row scale through ``hadamard_pm1`` and ``row_scale_block``.
 """
@@ -151,100 +151,65 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
 
 
 # -- Launching ------------------------------------------------------------------------------
-# Triton's own launch (``kernel[grid](...)``) binds and specializes every argument, checks the
-# kernel's globals and reads its settings on every call: about 50 µs of host time a launch on the
-# H200 machine's host (benchmarks/results/host_h200_before.txt), and a decode product launches
-# three kernels. ``launch`` does that work once per specialization and then calls the compiled
-# kernel directly (``CompiledKernel[grid](*args)``, the same call Triton's launch ends in).
-_COMPILED: dict[tuple, object] = {}
+# An eager escha.matmul call is host-bound: Triton's launch (``kernel[grid](...)``) binds and
+# specializes every argument on every call, and the decode path's own Python adds as much
+# (benchmarks/results/host_h200_before/, benchmarks/results/host_h200.json). ``launch`` goes through Triton and returns a ``Prepared``:
+# the compiled variant with every argument in parameter order, which an op that keeps a plan per
+# (weight, shape of x, settings) launches again directly, changing only its per-call tensors.
 _SIGNATURES: dict[object, tuple] = {}
 _NO_DEFAULT = object()
 
 
-def _signature(kernel) -> tuple:
-    """(name, is constexpr, default) for each parameter of a JIT kernel, in order."""
+def _signature(kernel) -> tuple[tuple[str, object], ...]:
+    """(name, default) for each parameter of a JIT kernel, in order."""
     sig = _SIGNATURES.get(kernel)
     if sig is None:
-        sig = tuple((p.name, p.is_constexpr,
-                     _NO_DEFAULT if p.default is inspect.Parameter.empty else p.default) for p in kernel.params)
+        sig = tuple((p.name, _NO_DEFAULT if p.default is inspect.Parameter.empty else p.default)
+                    for p in kernel.params)
         _SIGNATURES[kernel] = sig
     return sig
 
 
-def _hashable(value: object) -> object:
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return repr(value)
+class Prepared:
+    """A compiled kernel variant, its grid and its arguments in parameter order (constexprs
+    included): ``run(*values)`` launches it again with the arguments at ``slots`` replaced.
 
-
-def _specialization(value: object) -> object:
-    """What Triton's compiled variant can depend on for a runtime argument, or None where this
-    module does not know the type (then the launch takes Triton's own path). A superset of Triton's
-    keys: a tensor's dtype and 16-byte alignment; an int's width, divisibility by 16 and being 1;
-    a TMA descriptor's element type, alignment, block, layout and strides."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, bool):
-        return "i1", value
-    if isinstance(value, int):
-        return "i", value == 1, value % 16 == 0, -2**31 <= value < 2**31, 0 <= value < 2**64
-    if isinstance(value, float):
-        return "f"
-    if value is None:
-        return "none"
-    base = getattr(value, "base", None)
-    if isinstance(base, torch.Tensor) and hasattr(value, "block_shape"):
-        return ("desc", base.dtype, base.data_ptr() % 16 == 0, tuple(value.block_shape), repr(value.layout),
-                tuple(value.strides), getattr(value, "padding", None))
-    return None
-
-
-def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` (kernel arguments, then launch options such as num_warps
-    and launch_pdl), with the host work of Triton's launch done once per specialization.
-
-    The first launch of a specialization goes through Triton (compiling if need be) and keeps the
-    compiled kernel; later ones with the same key (kernel, current device, options, constexpr
-    values, and each runtime argument's ``_specialization``) launch it directly. Interpreted
-    kernels, launches without a CUDA tensor (the offline compile check) and argument types this
-    module does not know always take Triton's path. Returns what Triton's launch returns (the
-    compiled kernel; None when interpreted).
+    The caller owns the promise that the replaced arguments specialize as the first ones did
+    (same dtypes, 16-byte alignment, and for ints the same value class): ops key their plans on
+    everything else (decode_wgmma._launch).
     """
-    if _INTERPRETED:
-        return kernel[grid](*args, **kwargs)
+
+    __slots__ = ("compiled", "grid", "values", "slots")
+
+    def __init__(self, compiled, grid: tuple[int, ...], values: list, slots: tuple[int, ...]) -> None:
+        self.values = tuple(None if i in slots else v for i, v in enumerate(values))  # holds no per-call tensor
+        self.compiled, self.slots = compiled, slots
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+
+    def run(self, *changed) -> None:
+        values = list(self.values)
+        for i, v in zip(self.slots, changed):
+            values[i] = v
+        self.compiled[self.grid](*values)
+
+
+def launch(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] = (), **kwargs) -> Prepared | None:
+    """``kernel[grid](*args, **kwargs)`` (kernel arguments, then launch options such as num_warps
+    and launch_pdl) through Triton's own launch. Returns a ``Prepared`` whose ``run`` takes new
+    values for the parameters named in ``slots``, in that order; None where there is no compiled
+    kernel to keep (the interpreter; the offline compile check, whose tensors are on the CPU).
+    """
+    compiled = kernel[grid](*args, **kwargs)
+    if _INTERPRETED or compiled is None:
+        return None
     sig = _signature(kernel)
-    options = dict(kwargs)
     values = list(args)
-    for name, _, default in sig[len(args):]:
-        value = options.pop(name, default)
-        if value is _NO_DEFAULT:
-            return kernel[grid](*args, **kwargs)  # Triton names the missing argument
-        values.append(value)
-    key = [kernel, tuple(sorted(options.items()))]
-    on_gpu = False
-    for (_, constexpr, _), value in zip(sig, values):
-        if constexpr:
-            key.append(_hashable(value))
-            continue
-        spec = _specialization(value)
-        if spec is None:
-            return kernel[grid](*args, **kwargs)
-        key.append(spec)
-        on_gpu = on_gpu or (isinstance(value, torch.Tensor) and value.is_cuda)
-    if not on_gpu:
-        return kernel[grid](*args, **kwargs)
-    key.append(torch.cuda.current_device())
-    key = tuple(key)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compiled = kernel[grid](*args, **kwargs)
-        if compiled is not None:
-            _COMPILED[key] = compiled
-        return compiled
-    compiled[tuple(grid) + (1,) * (3 - len(grid))](*values)
-    return compiled
+    for name, default in sig[len(args):]:
+        values.append(kwargs.get(name, default))
+    names = [name for name, _ in sig]
+    if not any(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
+        return None
+    return Prepared(compiled, grid, values, tuple(names.index(n) for n in slots))
 
 
 # -- Workspace cache ----------------------------------------------------------------------------

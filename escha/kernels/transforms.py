@@ -20,8 +20,12 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, dot_dtype, hadamard_operand, launch, load_hadamard,
-                     release_dependents, round_to, row_scale_block, wait_for_producer)
+from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard_operand, launch,
+                     load_hadamard, release_dependents, round_to, row_scale_block, wait_for_producer)
+
+#: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
+INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
+OUTPUT_SLOTS = ("z_ptr", "y_ptr", "inv_ptr", "hw_ptr", "hb_ptr")
 
 
 @triton.jit
@@ -103,17 +107,11 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, nw_ptr, eps, 
     tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
 
 
-def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
-                   dependent_launch: bool = False, release_early: bool = False,
-                   norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
-
-    x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
-    two (module docstring). ``mma_order`` stores each 128-block in decode_wgmma's column order;
-    ``dependent_launch`` launches as a programmatic dependent (common.dependent_launch_supported);
-    ``release_early`` then lets the next kernel launch at once rather than as this one's programs exit.
-    ``norm`` (its weight of x's dtype) applies the RMSNorm before the layer first (``RowNorm.fusable``).
-    """
+def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
+                  dependent_launch: bool = False, release_early: bool = False,
+                  norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+    """``hadamard_input``, and its launch prepared to run again (``common.Prepared``; per-call
+    tensors ``INPUT_SLOTS``: x, x', 2**-e and the norm's weight, which is x when there is none)."""
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
     if norm is not None and not norm.fusable(x2d):
@@ -128,14 +126,28 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
     ddt = dot_dtype(x2d.dtype)
     # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
-    launch(_input_transform_kernel, grid, x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale,
-           x2d if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-           qw.in_features, kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
-           AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
-           MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early,
-           NORM=norm is not None, X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4,
-           launch_pdl=dependent_launch)
-    return out, inv_scale
+    prepared = launch(_input_transform_kernel, grid, x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale,
+                      x2d if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+                      qw.in_features, kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
+                      AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
+                      MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early,
+                      NORM=norm is not None, X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4,
+                      launch_pdl=dependent_launch, slots=INPUT_SLOTS)
+    return out, inv_scale, prepared
+
+
+def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
+                   dependent_launch: bool = False, release_early: bool = False,
+                   norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
+
+    x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
+    two (module docstring). ``mma_order`` stores each 128-block in decode_wgmma's column order;
+    ``dependent_launch`` launches as a programmatic dependent (common.dependent_launch_supported);
+    ``release_early`` then lets the next kernel launch at once rather than as this one's programs exit.
+    ``norm`` (its weight of x's dtype) applies the RMSNorm before the layer first (``RowNorm.fusable``).
+    """
+    return prepare_input(x2d, qw, mma_order, dependent_launch, release_early, norm)[:2]
 
 
 @triton.jit
@@ -188,6 +200,15 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     ``head_norm``: the per-head RMSNorm of the flagged blocks (weight of out's dtype, heads whole
     inside the output), applied before the store.
     """
+    prepare_output(z, qw, inv_scale, out, dependent_launch, head_norm)
+    return out
+
+
+def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
+                   dependent_launch: bool = False, head_norm: HeadNorm | None = None) -> Prepared | None:
+    """``hadamard_output``, returning its launch prepared to run again (``common.Prepared``; per-call
+    tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's weight and flags, which are out
+    when there is none)."""
     split, m, np_ = z.shape
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
@@ -196,11 +217,10 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
-    launch(_output_transform_kernel, grid, z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale,
-           inv_scale, hw, hb, 0.0 if head_norm is None else head_norm.eps, m,
-           qw.out_features, np_, out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch,
-           HEAD_NORM=head_norm is not None, num_warps=4, launch_pdl=dependent_launch)
-    return out
+    return launch(_output_transform_kernel, grid, z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su,
+                  qw.gscale, inv_scale, hw, hb, 0.0 if head_norm is None else head_norm.eps, m,
+                  qw.out_features, np_, out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch,
+                  HEAD_NORM=head_norm is not None, num_warps=4, launch_pdl=dependent_launch, slots=OUTPUT_SLOTS)
 
 
 @triton.jit
