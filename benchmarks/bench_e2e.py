@@ -34,6 +34,7 @@ import escha  # noqa: E402
 from escha.bench.report import git_sha  # noqa: E402
 from escha.format import random_qweight  # noqa: E402
 from escha.format.shard import row_offsets, split_rows  # noqa: E402
+from escha.kernels.decode_wgmma import plan_count  # noqa: E402
 from escha.nn import EschaLinear, fuse_projections, replace_linear  # noqa: E402
 
 QWEN3_14B = dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
@@ -210,7 +211,7 @@ def measure(model, batch: int, args, device: torch.device) -> dict:
             return {"batch": batch, "graphs": mode, "new_tokens": args.new_tokens, "prompt": args.prompt,
                     "seconds": times, "tokens_per_s": batch * args.new_tokens / best,
                     "ms_per_step": 1e3 * best / args.new_tokens,
-                    "first_tokens": first, "fallback_errors": errors}
+                    "first_tokens": first, "fallback_errors": errors, "decode_plans": plan_count()}
         except Exception as e:  # capture or compile failed: record and try the next mode
             errors[mode] = f"{type(e).__name__}: {e}"[:500]
             if args.verbose:

@@ -135,6 +135,12 @@ def _packed(qw: QuantizedWeight) -> _Packed:
     return entry
 
 
+def plan_count() -> int:
+    """How many prepared launch sets ``_launch`` keeps over every weight (a diagnostic: it should
+    stay at a few per weight, one per layout of x and settings seen)."""
+    return sum(len(p.plans) for p in _PACKED.values())
+
+
 def packed_words(qw: QuantizedWeight) -> torch.Tensor:
     """``pack_words(qw)``, computed on the first call for a weight and kept while its trellis
     tensor lives (one repack at load; call once before capturing a CUDA graph)."""
