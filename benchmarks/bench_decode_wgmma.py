@@ -1,6 +1,6 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
-    python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256]
+    python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--breakdown]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
 reference codec, the GEMM against an fp64 reference within the decode tolerance table. Timing:
@@ -23,8 +23,9 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments,
+from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments, gemm_partials,
                                         mma_order_core, packed_words)
+from escha.kernels.transforms import hadamard_input, hadamard_output
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, weight_set  # noqa: E402
@@ -69,6 +70,8 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,16,40,64,128,256")
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--variants", action="store_true", help="also time fragments x split variants")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the call's three kernels each by itself (stream order, no dependent launch)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -116,6 +119,16 @@ def main() -> int:
                         arms[f"wgmma_{arm}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 if m <= 64:
                     arms["portable"] = (lambda i: decode(xs[i % 2], ws[i]), len(ws))
+                if args.breakdown:
+                    # Each kernel of a call alone, on the operands a call gives it; "part_sum" (added
+                    # below) against "wgmma_plain" is what launching them back to back costs.
+                    plain = dataclasses.replace(cfg, dependent_launch=False, early_start=False)
+                    xq, inv = hadamard_input(xs[0], ws[0], mma_order=True)
+                    zs = gemm_partials(xq, ws[0], plain)
+                    y = torch.empty(m, out_f, device="cuda", dtype=torch.bfloat16)
+                    arms["part_input"] = (lambda i: hadamard_input(xs[i % 2], ws[i], mma_order=True), len(ws))
+                    arms["part_gemm"] = (lambda i: gemm_partials(xq, ws[i], plain), len(ws))
+                    arms["part_output"] = (lambda i: hadamard_output(zs, ws[i], inv, y), len(ws))
                 if args.variants:
                     for fr in ((1, 2) if cfg.block_tokens <= 64 else (1,)):  # 2 fragments x 128 tokens: 254 registers
                         for sp in (1, 2, 3, 4, 6, 8):
@@ -128,6 +141,8 @@ def main() -> int:
                     for k, s in samplers.items():
                         times[k].append(s.sample())
                 med = {k: statistics.median(v) for k, v in times.items()}
+                if args.breakdown:
+                    med["part_sum"] = med["part_input"] + med["part_gemm"] + med["part_output"]
                 point["us"] = med
                 point["config"] = dataclasses.asdict(cfg)
                 log(f"{name} M={m:4d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())

@@ -31,10 +31,11 @@
 #                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
 #                  escha-unshared, with a profiled step per batch; and one prompt of 512, 2048 and 8192
 #                  tokens through each (time to first token).
-# PHASE "profile": where a prompt's time goes: one 512- and 2048-token prompt of the Qwen3-14B-shaped
-#                  model under the torch profiler (bench_e2e.py --profile-prefill: host time against
-#                  GPU kernel time); then decode without CUDA graphs (eager, as transformers' generate
-#                  runs by default). The decode call's breakdown by kernel is on branch decode-candidates.
+# PHASE "profile": where a call's time goes: the register-operand decode call's three kernels each
+#                  timed alone beside the whole call (bench_decode_wgmma.py --breakdown, M 1-64), and
+#                  one 512- and 2048-token prompt of the Qwen3-14B-shaped model under the torch
+#                  profiler (bench_e2e.py --profile-prefill: host time against GPU kernel time); then
+#                  decode without CUDA graphs (eager, as transformers' generate runs by default).
 # PHASE "host":    GPU tests, then the host time of one eager escha.matmul call beside its GPU time
 #                  (benchmarks/bench_host.py, with cProfile's top functions); run "profile" after it
 #                  for the whole model eager.
@@ -148,6 +149,8 @@ case "$phase" in
       --prefill 512,2048,8192 --out "$out/e2e_h200.json"
     ;;
   profile)
+    step breakdown 200 python benchmarks/bench_decode_wgmma.py --out "$out/breakdown" --ms 1,8,16,64 --rounds 3 \
+      --breakdown
     step prefill_profile 250 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 \
       --new-tokens 8 --repeats 1 --no-profile --profile-prefill 512,2048 --out "$out/e2e_prefill_profile_h200.json"
     step e2e_eager 150 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 --graphs none \

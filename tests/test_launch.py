@@ -1,4 +1,4 @@
-"""common.launch and Prepared: a launch through Triton, kept to run again with new tensors.
+"""common.prepare and Prepared: a launch through Triton, kept to run again with new tensors.
 
 decode_wgmma keeps its three launches per (weight, layout of x, settings) and later calls only
 run them again; the GPU tests check that such a call is bit for bit the call that made the plan,
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from escha.kernels.common import launch
+from escha.kernels.common import prepare
 
 
 @triton.jit
@@ -23,10 +23,10 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_launch_runs_the_kernel():
+def test_prepare_runs_the_kernel():
     x = torch.randn(300, device=_device())
     y = torch.full_like(x, float("nan"))
-    prepared = launch(_axpb_kernel, (3,), x, y, 300, 0.5, BLOCK=128, slots=("x_ptr", "y_ptr"))
+    prepared = prepare(_axpb_kernel, (3,), x, y, 300, 0.5, BLOCK=128, slots=("x_ptr", "y_ptr"))
     torch.testing.assert_close(y, x * 0.5 + 1.0, rtol=0, atol=1e-6)
     assert (prepared is None) == (x.device.type == "cpu")  # nothing compiled to keep off the GPU
 
@@ -35,7 +35,7 @@ def test_launch_runs_the_kernel():
 def test_prepared_runs_again_with_new_tensors():
     x = torch.randn(1000, device="cuda")
     y = torch.empty_like(x)
-    prepared = launch(_axpb_kernel, (8,), x, y, 1000, -2.0, BLOCK=128, PLUS=3.0, slots=("x_ptr", "y_ptr"))
+    prepared = prepare(_axpb_kernel, (8,), x, y, 1000, -2.0, BLOCK=128, PLUS=3.0, slots=("x_ptr", "y_ptr"))
     assert prepared.values[0] is None and prepared.values[1] is None  # it keeps no per-call tensor
     for _ in range(3):
         x2 = torch.randn(1000, device="cuda")

@@ -4,8 +4,9 @@ One place decides whether Triton runs in its CPU interpreter (``interpreted``), 
 may run inline PTX (``ptx_enabled``) and whether the kernels can run on a device at all
 (``kernels_run_on``), and whether launches may overlap their predecessor's tail
 (``dependent_launch_supported``, with ``wait_for_producer``/``release_dependents`` in the
-kernels). Every launch goes through ``launch``, which returns the compiled variant prepared for launching
-again without Triton's per-call binding (``Prepared``). Every op checks its operands with ``check_operands``/``check_codebook``,
+kernels). Every launch goes through ``launch`` (Triton's own), or ``prepare``, which also returns the
+compiled variant ready to launch again without Triton's per-call binding (``Prepared``).
+Every op checks its operands with ``check_operands``/``check_codebook``,
 rounds to narrower floats through ``round_to`` only, and builds the +-1 Hadamard matrix and the
 output row scale through ``hadamard_pm1`` and ``row_scale_block``.
 """
@@ -153,9 +154,10 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
 # -- Launching ------------------------------------------------------------------------------
 # An eager escha.matmul call is host-bound: Triton's launch (``kernel[grid](...)``) binds and
 # specializes every argument on every call, and the decode path's own Python adds as much
-# (benchmarks/results/host_h200_before/, benchmarks/results/host_h200.json). ``launch`` goes through Triton and returns a ``Prepared``:
-# the compiled variant with every argument in parameter order, which an op that keeps a plan per
-# (weight, shape of x, settings) launches again directly, changing only its per-call tensors.
+# (benchmarks/results/host_h200_before/, benchmarks/results/host_h200/). ``prepare`` launches
+# through Triton and returns a ``Prepared``: the compiled variant with every argument in parameter
+# order, which an op that keeps a plan per (weight, shape of x, settings) launches again
+# directly, changing only its per-call tensors (decode_wgmma._launch).
 _SIGNATURES: dict[object, tuple] = {}
 _NO_DEFAULT = object()
 
@@ -193,12 +195,16 @@ class Prepared:
         self.compiled[self.grid](*values)
 
 
-def launch(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] = (), **kwargs) -> Prepared | None:
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` (kernel arguments, then launch options such as num_warps
-    and launch_pdl) through Triton's own launch. Returns a ``Prepared`` whose ``run`` takes new
-    values for the parameters named in ``slots``, in that order; None where there is no compiled
-    kernel to keep (the interpreter; the offline compile check, whose tensors are on the CPU).
-    """
+    and launch_pdl) through Triton's own launch; returns what it returns (the compiled kernel)."""
+    return kernel[grid](*args, **kwargs)
+
+
+def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...], **kwargs) -> Prepared | None:
+    """``launch``, returning a ``Prepared`` whose ``run`` takes new values for the parameters named
+    in ``slots``, in that order; None where there is no compiled kernel to keep (the
+    interpreter; the offline compile check, whose tensors are on the CPU)."""
     compiled = kernel[grid](*args, **kwargs)
     if _INTERPRETED or compiled is None:
         return None

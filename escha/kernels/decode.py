@@ -152,15 +152,15 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None, o
     y = output_tensor(x, m, qw.out_features, out)
     ws = y if fuse else torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
     grid = (np_ // cfg.block_n, split)
-    prepared = launch(_decode_kernel, grid, xq, qw.trellis, ws, y, qw.scale, qw.su, qw.gscale, inv,
-                      m, qw.out_features, np_, kp, kp // TILE, nkb, y.stride(0),
-                      STEPS=triton.cdiv(nkb, split), BITS=qw.bits, BN=cfg.block_n,
-                      BKT=cfg.block_kt, BM=cfg.block_m, SPLIT=split, FUSE_OUTPUT=fuse,
-                      USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=ablation,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = launch(_decode_kernel, grid, xq, qw.trellis, ws, y, qw.scale, qw.su, qw.gscale, inv,
+                    m, qw.out_features, np_, kp, kp // TILE, nkb, y.stride(0),
+                    STEPS=triton.cdiv(nkb, split), BITS=qw.bits, BN=cfg.block_n,
+                    BKT=cfg.block_kt, BM=cfg.block_m, SPLIT=split, FUSE_OUTPUT=fuse,
+                    USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=ablation,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fuse:
         hadamard_output(ws, qw, inv, y, head_norm=head_norm)
-    return y.reshape(*x.shape[:-1], qw.out_features), None if prepared is None else prepared.compiled
+    return y.reshape(*x.shape[:-1], qw.out_features), kernel
 
 
 # -- Why the configuration is what it is ---------------------------------------------------------

@@ -48,7 +48,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
-                     interpreted, launch, output_tensor)
+                     interpreted, launch, output_tensor, prepare)
 from .transforms import prepare_input, prepare_output
 from .triton_compat import tma_async_load
 
@@ -509,8 +509,10 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     # Everything the prepared launches fixed: the weight's other tensors, x's dtype, strides and
     # alignment, the configuration, the norms and a caller's output buffer.
     key = (id(qw.su), id(qw.sv), id(qw.scale), id(qw.gscale), m, x2d.dtype, x2d.stride(0), x2d.stride(1),
-           x2d.data_ptr() % 16 == 0, cfg, None if norm is None else (id(norm.weight), norm.eps),
-           None if head_norm is None else (id(head_norm.weight), id(head_norm.blocks), head_norm.eps),
+           x2d.data_ptr() % 16 == 0, cfg,
+           None if norm is None else (norm.weight.dtype, norm.weight.data_ptr() % 16 == 0, norm.eps),
+           None if head_norm is None else (head_norm.weight.dtype, head_norm.weight.data_ptr() % 16 == 0,
+                                           head_norm.blocks.data_ptr() % 16 == 0, head_norm.eps),
            None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
     plan = packed.plans.get(key)
     if plan is not None:
@@ -524,23 +526,42 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
                   ws)
         pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
         return y.reshape(*x.shape[:-1], qw.out_features)
-    nkb = kp // BLOCK_K
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
                                  release_early=pdl and cfg.early_start, norm=norm)
-    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
-    kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
-    split = triton.cdiv(nkb, kb_per)
-    ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
+    ws, split, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
     y = output_tensor(x, m, qw.out_features, out)
-    grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
-    pgemm = launch(_decode_wgmma_kernel, grid, x_desc, packed.desc, ws, m, np_, nkb, kb_per, BITS=qw.bits,
-                   BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments, PDL=pdl, num_warps=4,
-                   launch_pdl=pdl, slots=("x_desc", "ws_ptr"))
     pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm)
     if pin is not None and pgemm is not None and pout is not None:
         packed.plans[key] = (split, pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)
+
+
+def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig) -> torch.Tensor:
+    """The GEMM kernel alone: fp32 partials z^T [split, M, Np] of x' (``hadamard_input(...,
+    mma_order=True)``'s fp16 output, [M, Kp]) against the weight's words. The middle of the
+    three launches of a call; the benchmarks also time it by itself."""
+    return _gemm(xq, qw, cfg, _packed(qw), keep=False)[0]
+
+
+def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed: _Packed,
+          keep: bool) -> tuple[torch.Tensor, int, Prepared | None]:
+    """Launch the GEMM through Triton: (partials, k-slices, the launch prepared when ``keep``)."""
+    m = xq.shape[0]
+    np_, kp = qw.padded_shape
+    nkb = kp // BLOCK_K
+    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
+    kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
+    split = triton.cdiv(nkb, kb_per)
+    ws = torch.empty((split, m, np_), dtype=torch.float32, device=xq.device)
+    grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
+    args = (x_desc, packed.desc, ws, m, np_, nkb, kb_per)
+    settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
+                    PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch)
+    if not keep:
+        launch(_decode_wgmma_kernel, grid, *args, **settings)
+        return ws, split, None
+    return ws, split, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr"), **settings)
 
 
 # -- Why the configuration is what it is ---------------------------------------------------------

@@ -21,7 +21,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
 from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard_operand, launch,
-                     load_hadamard, release_dependents, round_to, row_scale_block, wait_for_producer)
+                     load_hadamard, prepare, release_dependents, round_to, row_scale_block, wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
 INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
@@ -109,9 +109,11 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, nw_ptr, eps, 
 
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
                   dependent_launch: bool = False, release_early: bool = False,
-                  norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
-    """``hadamard_input``, and its launch prepared to run again (``common.Prepared``; per-call
-    tensors ``INPUT_SLOTS``: x, x', 2**-e and the norm's weight, which is x when there is none)."""
+                  norm: RowNorm | None = None,
+                  keep: bool = True) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+    """``hadamard_input``, and with ``keep`` its launch prepared to run again (``common.Prepared``;
+    per-call tensors ``INPUT_SLOTS``: x, x', 2**-e and the norm's weight, which is x when there is
+    none)."""
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
     if norm is not None and not norm.fusable(x2d):
@@ -126,14 +128,15 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     ddt = dot_dtype(x2d.dtype)
     # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
-    prepared = launch(_input_transform_kernel, grid, x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale,
-                      x2d if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-                      qw.in_features, kp, x2d.stride(0), x2d.stride(1), CH=ch, AMAX_BLOCK=amax_block,
-                      AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
-                      MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early,
-                      NORM=norm is not None, X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4,
-                      launch_pdl=dependent_launch, slots=INPUT_SLOTS)
-    return out, inv_scale, prepared
+    args = (x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale, x2d if norm is None else norm.weight,
+            0.0 if norm is None else norm.eps, qw.in_features, kp, x2d.stride(0), x2d.stride(1))
+    settings = dict(CH=ch, AMAX_BLOCK=amax_block, AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
+                    MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early, NORM=norm is not None,
+                    X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4, launch_pdl=dependent_launch)
+    if not keep:
+        launch(_input_transform_kernel, grid, *args, **settings)
+        return out, inv_scale, None
+    return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS, **settings)
 
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
@@ -147,7 +150,7 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
     ``release_early`` then lets the next kernel launch at once rather than as this one's programs exit.
     ``norm`` (its weight of x's dtype) applies the RMSNorm before the layer first (``RowNorm.fusable``).
     """
-    return prepare_input(x2d, qw, mma_order, dependent_launch, release_early, norm)[:2]
+    return prepare_input(x2d, qw, mma_order, dependent_launch, release_early, norm, keep=False)[:2]
 
 
 @triton.jit
@@ -200,15 +203,16 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     ``head_norm``: the per-head RMSNorm of the flagged blocks (weight of out's dtype, heads whole
     inside the output), applied before the store.
     """
-    prepare_output(z, qw, inv_scale, out, dependent_launch, head_norm)
+    prepare_output(z, qw, inv_scale, out, dependent_launch, head_norm, keep=False)
     return out
 
 
 def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
-                   dependent_launch: bool = False, head_norm: HeadNorm | None = None) -> Prepared | None:
-    """``hadamard_output``, returning its launch prepared to run again (``common.Prepared``; per-call
-    tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's weight and flags, which are out
-    when there is none)."""
+                   dependent_launch: bool = False, head_norm: HeadNorm | None = None,
+                   keep: bool = True) -> Prepared | None:
+    """``hadamard_output``, returning with ``keep`` its launch prepared to run again
+    (``common.Prepared``; per-call tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's
+    weight and flags, which are out when there is none), else None."""
     split, m, np_ = z.shape
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
@@ -217,10 +221,14 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     bm = 16
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
-    return launch(_output_transform_kernel, grid, z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su,
-                  qw.gscale, inv_scale, hw, hb, 0.0 if head_norm is None else head_norm.eps, m,
-                  qw.out_features, np_, out.stride(0), SPLIT=split, BM=bm, PDL=dependent_launch,
-                  HEAD_NORM=head_norm is not None, num_warps=4, launch_pdl=dependent_launch, slots=OUTPUT_SLOTS)
+    args = (z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb,
+            0.0 if head_norm is None else head_norm.eps, m, qw.out_features, np_, out.stride(0))
+    settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=4,
+                    launch_pdl=dependent_launch)
+    if not keep:
+        launch(_output_transform_kernel, grid, *args, **settings)
+        return None
+    return prepare(_output_transform_kernel, grid, *args, slots=OUTPUT_SLOTS, **settings)
 
 
 @triton.jit
