@@ -201,12 +201,13 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     return kernel[grid](*args, **kwargs)
 
 
-def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...], **kwargs) -> Prepared | None:
+def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None, **kwargs) -> Prepared | None:
     """``launch``, returning a ``Prepared`` whose ``run`` takes new values for the parameters named
-    in ``slots``, in that order; None where there is no compiled kernel to keep (the
-    interpreter; the offline compile check, whose tensors are on the CPU)."""
+    in ``slots``, in that order; None where the caller keeps nothing (``slots`` None) or there
+    is no compiled kernel to keep (the interpreter; the offline compile check, whose tensors are
+    on the CPU)."""
     compiled = kernel[grid](*args, **kwargs)
-    if _INTERPRETED or compiled is None:
+    if slots is None or _INTERPRETED or compiled is None:
         return None
     sig = _signature(kernel)
     values = list(args)

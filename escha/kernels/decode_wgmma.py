@@ -558,10 +558,8 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     args = (x_desc, packed.desc, ws, m, np_, nkb, kb_per)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
                     PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch)
-    if not keep:
-        launch(_decode_wgmma_kernel, grid, *args, **settings)
-        return ws, split, None
-    return ws, split, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr"), **settings)
+    return ws, split, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr") if keep else None,
+                              **settings)
 
 
 # -- Why the configuration is what it is ---------------------------------------------------------

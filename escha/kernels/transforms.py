@@ -133,10 +133,8 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     settings = dict(CH=ch, AMAX_BLOCK=amax_block, AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
                     MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early, NORM=norm is not None,
                     X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4, launch_pdl=dependent_launch)
-    if not keep:
-        launch(_input_transform_kernel, grid, *args, **settings)
-        return out, inv_scale, None
-    return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS, **settings)
+    return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS if keep else None,
+                                   **settings)
 
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
@@ -225,10 +223,7 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
             0.0 if head_norm is None else head_norm.eps, m, qw.out_features, np_, out.stride(0))
     settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=4,
                     launch_pdl=dependent_launch)
-    if not keep:
-        launch(_output_transform_kernel, grid, *args, **settings)
-        return None
-    return prepare(_output_transform_kernel, grid, *args, slots=OUTPUT_SLOTS, **settings)
+    return prepare(_output_transform_kernel, grid, *args, slots=OUTPUT_SLOTS if keep else None, **settings)
 
 
 @triton.jit
