@@ -84,3 +84,32 @@ def test_decode_wgmma_plans_are_bit_for_bit_the_first_call():
         assert y2.data_ptr() == out.data_ptr() and torch.isfinite(y2).all(), label
         plans.clear()
         assert torch.equal(decode_wgmma(x2, qw, **kwargs), y2), label  # Triton's path again, same bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", ["dequant_fp8", "dequant_bf16", "dequant_core_fp8", "dequant_core_bf16"])
+def test_dequantize_once_plans_are_bit_for_bit_the_first_call(op_name):
+    import escha.kernels.dequant_once as dq
+    from escha.format import random_qweight
+    from escha.kernels.common import weight_plans
+    op = getattr(dq, op_name)
+    qw = random_qweight(384, 1024, bits=3, seed=11, device="cuda")
+    plans = weight_plans(qw)
+    dev = torch.device("cuda")
+    big = torch.randn(200 * 1024 + 8, device=dev, dtype=torch.bfloat16)
+    cases = [("M=130 bf16", lambda: torch.randn(130, 1024, device=dev, dtype=torch.bfloat16)),
+             ("M=200 fp16", lambda: torch.randn(200, 1024, device=dev, dtype=torch.float16)),
+             ("M=97 fp32", lambda: torch.randn(97, 1024, device=dev)),
+             ("strided rows", lambda: torch.randn(150, 2048, device=dev, dtype=torch.bfloat16)[:, :1024]),
+             ("column stride 2", lambda: torch.randn(150, 2048, device=dev, dtype=torch.bfloat16)[:, ::2]),
+             ("misaligned x", lambda: big[1:1 + 100 * 1024].view(100, 1024))]
+    for label, make_x in cases:
+        before = len(plans)
+        x = make_x()
+        first = op(x, qw)  # through Triton: makes this key's plan
+        assert len(plans) == before + 1, label
+        for _ in range(2):
+            assert torch.equal(op(x, qw), first), label  # the plan, fresh outputs
+        assert len(plans) == before + 1, label
+        plans.clear()
+        assert torch.equal(op(x, qw), first), label

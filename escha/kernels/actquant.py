@@ -19,7 +19,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_operand, launch,
-                     load_hadamard, round_to, workspace)
+                     load_hadamard, prepare, round_to, workspace)
 
 
 @triton.jit
@@ -152,31 +152,69 @@ def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
     ``config`` overrides ``actquant_config``.
     """
     check_operands(x, qw, "actquant")
-    x2d = x.reshape(-1, x.shape[-1])
+    return prepare_actquant(x.reshape(-1, x.shape[-1]), qw, fp8, config, keep=False)[:2]
+
+
+#: The per-call tensors of the prepared launches (prepare_actquant): bf16 pass, pass 1, pass 2.
+BF16_SLOTS = ("x_ptr", "out_ptr")
+ABSMAX_SLOTS = ("x_ptr", "part_ptr")
+QUANTIZE_SLOTS = ("x_ptr", "part_ptr", "out_ptr", "xscale_ptr")
+
+
+def prepare_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: ActQuantConfig | None,
+                     keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """``actquant`` of x2d [M, in] (checked by the caller; any strides) and, with ``keep``, its
+    launches prepared to run again (``common.Prepared``, slots ``BF16_SLOTS`` or ``ABSMAX_SLOTS``
+    and ``QUANTIZE_SLOTS``), else None. x2d must have unit column stride for them to apply
+    again: callers key on it."""
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     m, k = x2d.shape
     kp = qw.padded_shape[1]
-    cfg = config or actquant_config(qw, m, x.device)
-    out = torch.empty((m, kp), device=x.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
-    xscale = torch.empty((m,), device=x.device, dtype=torch.float32) if fp8 else None
+    cfg = config or actquant_config(qw, m, x2d.device)
+    out = torch.empty((m, kp), device=x2d.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
+    xscale = torch.empty((m,), device=x2d.device, dtype=torch.float32) if fp8 else None
     if m == 0:
-        return out, xscale
+        return out, xscale, None
     nkb = kp // HAD_BLOCK
     grid = (triton.cdiv(triton.cdiv(m, cfg.block_m) * nkb, cfg.tiles_per_prog),)
     ddt = dot_dtype(x2d.dtype)
-    h = hadamard_operand(x.device, ddt)
+    h = hadamard_operand(x2d.device, ddt)
     # NKB (= Kp/128) is a compile-time constant: one specialization per weight width (a handful
     # per model) and a constant-size reduction in pass 2.
     settings = dict(T=cfg.tiles_per_prog, NKB=nkb, BM=cfg.block_m, HB=HAD_BLOCK, DOT_DTYPE=ddt,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fp8:
-        launch(transform_bf16_kernel, grid, x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0), **settings)
+        args = (x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0))
+        if not keep:
+            launch(transform_bf16_kernel, grid, *args, **settings)
+            return out, None, None
+        return out, None, (prepare(transform_bf16_kernel, grid, *args, slots=BF16_SLOTS, **settings),)
+    part = partial_amax_workspace(x2d.device, m, nkb)
+    args1 = (x2d, qw.sv, h, part, m, k, x2d.stride(0))
+    args2 = (x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0))
+    settings2 = dict(settings, NKB_P2=triton.next_power_of_2(nkb))
+    if not keep:
+        launch(absmax_kernel, grid, *args1, **settings)
+        launch(quantize_kernel, grid, *args2, **settings2)
+        return out, xscale, None
+    return out, xscale, (prepare(absmax_kernel, grid, *args1, slots=ABSMAX_SLOTS, **settings),
+                         prepare(quantize_kernel, grid, *args2, slots=QUANTIZE_SLOTS, **settings2))
+
+
+def run_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, prepared: tuple) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor | None]:
+    """``prepare_actquant``'s launches again on a new x2d of the same key (unit column stride)."""
+    m = x2d.shape[0]
+    kp = qw.padded_shape[1]
+    out = torch.empty((m, kp), device=x2d.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
+    if not fp8:
+        prepared[0].run(x2d, out)
         return out, None
-    part = partial_amax_workspace(x.device, m, nkb)
-    launch(absmax_kernel, grid, x2d, qw.sv, h, part, m, k, x2d.stride(0), **settings)
-    launch(quantize_kernel, grid, x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0),
-           NKB_P2=triton.next_power_of_2(nkb), **settings)
+    xscale = torch.empty((m,), device=x2d.device, dtype=torch.float32)
+    part = partial_amax_workspace(x2d.device, m, kp // HAD_BLOCK)
+    prepared[0].run(x2d, part)
+    prepared[1].run(x2d, part, out, xscale)
     return out, xscale
 
 # Configuration note. One tile a program: at M=512, K=5120 that is 8 x 40 = 320 programs per

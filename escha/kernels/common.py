@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import weakref
 
 import torch
 import triton
@@ -193,6 +194,20 @@ class Prepared:
         for i, v in zip(self.slots, changed):
             values[i] = v
         self.compiled[self.grid](*values)
+
+
+_WEIGHT_PLANS: dict[int, dict] = {}
+
+
+def weight_plans(qw: QuantizedWeight) -> dict:
+    """A dict kept per weight while its trellis tensor lives, where ops keep their prepared
+    launches by key (the dequantize-once paths; decode_wgmma keeps its own beside its words)."""
+    key = id(qw.trellis)
+    plans = _WEIGHT_PLANS.get(key)
+    if plans is None:
+        plans = _WEIGHT_PLANS[key] = {}
+        weakref.finalize(qw.trellis, _WEIGHT_PLANS.pop, key, None)
+    return plans
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs):

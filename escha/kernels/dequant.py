@@ -16,7 +16,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import TILE
 from .codec import CodecPath, codec_path, decode_block
-from .common import CORE_FP8_SCALE, check_codebook, launch, round_to
+from .common import CORE_FP8_SCALE, Prepared, check_codebook, launch, prepare, round_to
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
@@ -85,9 +85,21 @@ def dequantize_core(qw: QuantizedWeight, dtype: torch.dtype = torch.float16, *,
     if out.shape != (np_, kp) or out.dtype != dtype or out.device != qw.device or out.stride(1) != 1:
         raise ValueError(f"out must be a {dtype} [{np_}, {kp}] tensor on {qw.device} with contiguous "
                          f"rows, got {out.dtype} {list(out.shape)} stride {out.stride()} on {out.device}")
+    return prepare_dequantize_core(qw, dtype, cfg, out, keep=False)[:2]
+
+
+def prepare_dequantize_core(qw: QuantizedWeight, dtype: torch.dtype, cfg: DequantConfig, out: torch.Tensor,
+                            keep: bool) -> tuple[torch.Tensor, float, Prepared | None]:
+    """``dequantize_core`` into ``out`` (checked by the caller) and, with ``keep``, its launch
+    prepared to run again into another buffer of the same layout (slot ``out_ptr``), else None."""
+    np_, kp = qw.padded_shape
     scale = CORE_FP8_SCALE.value if dtype == torch.float8_e4m3fn else 1.0
     kt = kp // TILE
     grid = (np_ // cfg.block_n, kt // cfg.block_kt)
-    launch(_dequant_kernel, grid, qw.trellis, out, kt, out.stride(0), SCALE=scale, BITS=qw.bits, BN=cfg.block_n,
-           BKT=cfg.block_kt, USE_PTX=cfg.codec == CodecPath.PTX, num_warps=cfg.num_warps)
-    return out, 1.0 / scale
+    args = (qw.trellis, out, kt, out.stride(0))
+    settings = dict(SCALE=scale, BITS=qw.bits, BN=cfg.block_n, BKT=cfg.block_kt, USE_PTX=cfg.codec == CodecPath.PTX,
+                    num_warps=cfg.num_warps)
+    if not keep:
+        launch(_dequant_kernel, grid, *args, **settings)
+        return out, 1.0 / scale, None
+    return out, 1.0 / scale, prepare(_dequant_kernel, grid, *args, slots=("out_ptr",), **settings)

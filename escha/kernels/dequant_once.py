@@ -26,12 +26,13 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
-from .actquant import actquant
+from .actquant import actquant_config, prepare_actquant, run_actquant
 from .codec import CodecPath, codec_path, decode_block
-from .dequant import DequantConfig, dequant_config, dequantize_core
-from .common import (FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
-                     hadamard_operand, launch, load_hadamard, round_to, row_scale_block, workspace)
-from .transforms import hadamard_output_dense
+from .dequant import DequantConfig, dequant_config, prepare_dequantize_core
+from .common import (CORE_FP8_SCALE, FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, Prepared, check_codebook, check_operands,
+                     dot_dtype, hadamard_operand, launch, load_hadamard, prepare, round_to, row_scale_block,
+                     weight_plans, workspace)
+from .transforms import prepare_output_dense
 
 
 @triton.jit
@@ -112,7 +113,13 @@ def dequant_hn(qw: QuantizedWeight, *, fp8: bool = True, config: DequantOnceConf
     ``config`` overrides ``dequant_once_config``.
     """
     check_codebook(qw, "dequant_hn")
-    cfg = config or dequant_once_config(qw, 1)  # any M: the rule does not depend on it
+    return _dequant_hn(qw, fp8, config or dequant_once_config(qw, 1), keep=False)[:2]
+
+
+def _dequant_hn(qw: QuantizedWeight, fp8: bool, cfg: DequantOnceConfig,
+                keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, Prepared | None]:
+    """dequant_hn, and with ``keep`` its launch prepared to run again into the workspace of
+    another stream (slots ``w_ptr``, ``wscale_ptr``, the latter w itself at bf16)."""
     np_, kp = qw.padded_shape
     dev = qw.device
     w, ws = scratch(qw, fp8)
@@ -121,11 +128,13 @@ def dequant_hn(qw: QuantizedWeight, *, fp8: bool = True, config: DequantOnceConf
     grid = (np_ // HAD_BLOCK, kb_total // kpp)
     ddt = dot_dtype(torch.float16)
     h = hadamard_operand(dev, ddt, HN_FP8_SCALE.value)
-    launch(dequant_hn_kernel, grid, qw.trellis, qw.su, qw.scale, qw.gscale, h, w, ws if fp8 else w, w.stride(0), np_,
-           KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8,
-           DOT_DTYPE=ddt, USE_PTX=cfg.codec == CodecPath.PTX,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return w, ws
+    args = (qw.trellis, qw.su, qw.scale, qw.gscale, h, w, ws if fp8 else w, w.stride(0), np_)
+    settings = dict(KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8, DOT_DTYPE=ddt,
+                    USE_PTX=cfg.codec == CodecPath.PTX, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not keep:
+        launch(dequant_hn_kernel, grid, *args, **settings)
+        return w, ws, None
+    return w, ws, prepare(dequant_hn_kernel, grid, *args, slots=("w_ptr", "wscale_ptr"), **settings)
 
 
 def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,
@@ -141,19 +150,44 @@ def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,
     return ((a.float() @ b_t.float()) * scale_a[:, None] * scale_b[None, :]).to(torch.bfloat16)
 
 
+def _plan_key(kind: str, x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, cfg: object) -> tuple:
+    """What the prepared launches of a dequantize-once call fix: the path, the weight's other
+    tensors, M, x's dtype, row stride and 16-byte alignment, and the configurations."""
+    m = x2d.shape[0]
+    return (kind, fp8, cfg, actquant_config(qw, m, x2d.device), id(qw.su), id(qw.sv), id(qw.scale), id(qw.gscale),
+            m, x2d.dtype, x2d.stride(0), x2d.data_ptr() % 16 == 0)
+
+
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(1) == 1 else x2d.contiguous()
+
+
 def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantOnceConfig | None,
                   op: str) -> torch.Tensor:
-    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype."""
+    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype.
+
+    The first call of a key (``_plan_key``) launches through Triton and keeps the launches
+    prepared (``common.Prepared``, in ``common.weight_plans``); later calls launch them again.
+    """
     check_operands(x, qw, op)
-    x2d = x.reshape(-1, x.shape[-1])
+    check_codebook(qw, op)
+    x2d = _unit_stride_rows(x)
     cfg = config or dequant_once_config(qw, x2d.shape[0], x.device)
-    w, ws = dequant_hn(qw, fp8=fp8, config=cfg)
-    if fp8:
-        xq, xscale = actquant(x2d, qw)
-        y = scaled_mm_rowwise(xq, w.t(), xscale, ws)
+    plans = weight_plans(qw)
+    key = _plan_key("hn", x2d, qw, fp8, cfg)
+    plan = plans.get(key)
+    if plan is not None and x2d.shape[0] > 0:
+        p_w, p_act = plan
+        w, ws = scratch(qw, fp8)
+        p_w.run(w, ws if fp8 else w)
+        xq, xscale = run_actquant(x2d, qw, fp8, p_act)
     else:
-        xb, _ = actquant(x2d, qw, fp8=False)
-        y = xb @ w.t()
+        w, ws, p_w = _dequant_hn(qw, fp8, cfg, keep=True)
+        xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True)
+        if p_w is not None and p_act is not None:
+            plans[key] = (p_w, p_act)
+    y = scaled_mm_rowwise(xq, w.t(), xscale, ws) if fp8 else xq @ w.t()
     if y.shape[1] != qw.out_features:
         y = y[:, :qw.out_features]
     # A fresh tensor in x's dtype (the scratch is never returned): .to copies when needed.
@@ -177,21 +211,35 @@ def dequant_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceCon
 def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantConfig | None,
                   op: str) -> torch.Tensor:
     """y = x @ W_hat^T through a scratch of the plain core T, the GEMM z = x' T^T, then Hn and
-    the row scales in one pass over z."""
+    the row scales in one pass over z. Launches kept per key as in ``_dequant_once``."""
     check_operands(x, qw, op)
-    x2d = x.reshape(-1, x.shape[-1])
+    check_codebook(qw, op)
+    x2d = _unit_stride_rows(x)
+    m = x2d.shape[0]
     np_, kp = qw.padded_shape
     dtype = FP8_DTYPE if fp8 else torch.bfloat16
-    t, t_scale = dequantize_core(qw, dtype, config=config or dequant_config(qw, x.device),
-                                 out=workspace(qw.device, dtype, (np_, kp)))
-    if fp8:
-        xq, xscale = actquant(x2d, qw)
-        z = scaled_mm_rowwise(xq, t.t(), xscale, torch.full((np_,), t_scale, device=x.device))
+    cfg = config or dequant_config(qw, x.device)
+    plans = weight_plans(qw)
+    key = _plan_key("core", x2d, qw, fp8, cfg)
+    plan = plans.get(key)
+    t = workspace(qw.device, dtype, (np_, kp))
+    if plan is not None and m > 0:
+        p_t, p_act, p_out = plan
+        t_scale = 1.0 / CORE_FP8_SCALE.value if fp8 else 1.0
+        p_t.run(t)
+        xq, xscale = run_actquant(x2d, qw, fp8, p_act)
     else:
-        xb, _ = actquant(x2d, qw, fp8=False)
-        z = xb @ t.t()
-    y = torch.empty((x2d.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
-    hadamard_output_dense(z, qw, y)
+        t, t_scale, p_t = prepare_dequantize_core(qw, dtype, cfg, t, keep=True)
+        xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True)
+        p_out = None
+    z = scaled_mm_rowwise(xq, t.t(), xscale, torch.full((np_,), t_scale, device=x.device)) if fp8 else xq @ t.t()
+    y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
+    if plan is not None and m > 0:
+        p_out.run(z, y)
+    else:
+        p_out = prepare_output_dense(z, qw, y, keep=True)
+        if p_t is not None and p_act is not None and p_out is not None:
+            plans[key] = (p_t, p_act, p_out)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 

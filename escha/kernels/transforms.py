@@ -259,10 +259,20 @@ def hadamard_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tenso
                          f"got {z.dtype} {list(z.shape)} stride {z.stride()}")
     if out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"out must be [{m}, {qw.out_features}] with unit column stride, got {list(out.shape)}")
+    prepare_output_dense(z, qw, out, keep=False)
+    return out
+
+
+def prepare_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor, keep: bool) -> Prepared | None:
+    """``hadamard_output_dense`` (operands checked by the caller) and, with ``keep``, its launch
+    prepared to run again (slots ``z_ptr``, ``y_ptr``), else None."""
+    m, np_ = z.shape
     bm = 64
     ddt = dot_dtype(z.dtype)
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
-    launch(_output_hadamard_kernel, grid, z, hadamard_operand(z.device, ddt), out, qw.scale, qw.su, qw.gscale, m,
-           qw.out_features, z.stride(0), out.stride(0), BM=bm, DOT_DTYPE=ddt,
-           num_warps=4)
-    return out
+    args = (z, hadamard_operand(z.device, ddt), out, qw.scale, qw.su, qw.gscale, m, qw.out_features, z.stride(0),
+            out.stride(0))
+    if not keep:
+        launch(_output_hadamard_kernel, grid, *args, BM=bm, DOT_DTYPE=ddt, num_warps=4)
+        return None
+    return prepare(_output_hadamard_kernel, grid, *args, slots=("z_ptr", "y_ptr"), BM=bm, DOT_DTYPE=ddt, num_warps=4)
