@@ -11,6 +11,7 @@ from escha.format import block_hadamard, decode_trellis, dequantize, input_trans
 from escha.kernels import actquant, actquant_config, dequant_once_config, prefill, prefill_config
 from escha.kernels.actquant import partial_amax_workspace
 from escha.kernels.common import FP8_DTYPE, workspace
+from escha.kernels import dequant_once as dequant_once_module
 from escha.kernels.dequant_once import (dequant_core_bf16, dequant_core_fp8, dequant_hn, k_per_prog_for,
                                        workspace_bytes)
 from escha.kernels.transforms import hadamard_output_dense
@@ -263,3 +264,42 @@ def test_dequant_core_bf16_vs_quantized_operands(bits):
     assert rel(y, want) < 3 * BF16_ELEM_RMS
     dense = dequantize(qw).float()
     assert rel(y, x.float() @ dense.T) < 1.5 * 5 ** 0.5 * BF16_ELEM_RMS
+
+
+def test_constant_vector_is_made_once_and_read_only_by_its_callers(monkeypatch):
+    """The GEMM's per-column scale of dequant_core_fp8 is one cached tensor per (device, n,
+    value): no fill kernel and no allocation per call; a call uses it and leaves it as it was."""
+    from escha.kernels.common import constant_vector
+    qw = random_qweight(200, 300, 2, seed=4, device=DEV)
+    n = qw.padded_shape[0]
+    v = constant_vector(torch.device(DEV), n, 1 / 64)
+    assert v.dtype == torch.float32 and v.shape == (n,) and torch.equal(v, torch.full((n,), 1 / 64, device=DEV))
+    assert constant_vector(torch.device(DEV), n, 1 / 64) is v
+    assert constant_vector(torch.device(DEV), n + 1, 1 / 64) is not v and constant_vector(torch.device(DEV), n, 1.0) is not v
+    seen = []
+    real = dequant_once_module.scaled_mm_rowwise
+    monkeypatch.setattr(dequant_once_module, "scaled_mm_rowwise",
+                        lambda a, b, sa, sb: seen.append(sb) or real(a, b, sa, sb))
+    dequant_core_fp8(torch.randn(3, 300, device=DEV, dtype=torch.bfloat16), qw)
+    assert len(seen) == 1 and seen[0] is v
+    assert torch.equal(v, torch.full((n,), 1 / 64, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_constants_made_inside_a_capture_stay_with_their_graph():
+    """A constant first asked for inside CUDA-graph capture is filled only when the graph replays:
+    it serves that graph (kept alive for it) and is not handed to callers outside it."""
+    from escha.kernels import common
+    dev = torch.device("cuda")
+    n, value = 4099, 0.375  # a key no other test uses
+    out = torch.zeros(n, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(common.constant_vector(dev, n, value))
+    eager = common.constant_vector(dev, n, value)
+    assert torch.equal(eager, torch.full((n,), value, device=dev))  # not the unfilled captured one
+    assert common.constant_vector(dev, n, value) is eager
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full((n,), value, device=dev))

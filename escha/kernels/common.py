@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import weakref
+from typing import Callable
 
 import torch
 import triton
@@ -272,22 +273,44 @@ def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
 
 
 _HADAMARD: dict[tuple[str, torch.dtype, float], torch.Tensor] = {}
+_CONSTANTS: dict[tuple[str, int, float], torch.Tensor] = {}
+_CAPTURED: list[torch.Tensor] = []  # constants made inside a CUDA-graph capture, for their graph
+
+
+def _cached(cache: dict, key: tuple, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``cache[key]``, made by ``make()`` (device ops only) on first use. Inside CUDA-graph capture
+    a missing constant is made for that graph alone: its kernels run only when the graph replays,
+    so it is not shared with callers outside the graph, and it is kept alive here for the graph's
+    replays (the graph holds its address, not the tensor)."""
+    v = cache.get(key)
+    if v is None:
+        v = make()
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            _CAPTURED.append(v)
+        else:
+            cache[key] = v
+    return v
+
+
+def constant_vector(device: torch.device, n: int, value: float) -> torch.Tensor:
+    """An fp32 [n] tensor of ``value`` on ``device``, made once per (device, n, value) and shared:
+    callers only read it. The per-column scale of a library GEMM whose weight scale is one number
+    (dequant_core_fp8). Made with a device op (``_cached``)."""
+    return _cached(_CONSTANTS, (str(device), int(n), float(value)), device,
+                   lambda: torch.full((n,), value, dtype=torch.float32, device=device))
 
 
 def hadamard_matrix(device: torch.device, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """The unnormalized [128, 128] Sylvester matrix (+-1, exact in any float dtype) times ``scale``
     (a power of two, so still exact) on ``device``, built once per (device, dtype, scale) with device
-    ops only (no host copy, so a first call may even happen inside CUDA-graph capture). Kernels load
-    it (``load_hadamard``) instead of rebuilding it from indices per program: about ten integer ops
-    per entry, measured as the largest cost of the decode's transform kernels (docs/KERNELS.md)."""
+    ops only (no host copy, so a first call may even happen inside CUDA-graph capture: ``_cached``).
+    Kernels load it (``load_hadamard``) instead of rebuilding it from indices per program: about ten
+    integer ops per entry, measured as the largest cost of the decode's transform kernels
+    (docs/KERNELS.md)."""
     if scale <= 0 or math.frexp(scale)[0] != 0.5:
         raise ValueError(f"scale must be a positive power of two (exact), got {scale}")
-    key = (str(device), dtype, scale)
-    h = _HADAMARD.get(key)
-    if h is None:
-        h = (sylvester_pm1(HAD_BLOCK, device, dtype) * scale).contiguous()
-        _HADAMARD[key] = h
-    return h
+    return _cached(_HADAMARD, (str(device), dtype, scale), device,
+                   lambda: (sylvester_pm1(HAD_BLOCK, device, dtype) * scale).contiguous())
 
 
 _TORCH_DTYPES = {tl.float16: torch.float16, tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}

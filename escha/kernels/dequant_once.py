@@ -30,8 +30,8 @@ from .actquant import actquant_config, prepare_actquant, run_actquant
 from .codec import CodecPath, codec_path, decode_block
 from .dequant import DequantConfig, dequant_config, prepare_dequantize_core
 from .common import (CORE_FP8_SCALE, FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, Prepared, check_codebook, check_operands,
-                     dot_dtype, hadamard_operand, launch, load_hadamard, prepare, round_to, row_scale_block,
-                     weight_plans, workspace)
+                     constant_vector, dot_dtype, hadamard_operand, launch, load_hadamard, prepare, round_to,
+                     row_scale_block, weight_plans, workspace)
 from .transforms import prepare_output_dense
 
 
@@ -232,7 +232,7 @@ def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
         t, t_scale, p_t = prepare_dequantize_core(qw, dtype, cfg, t, keep=True)
         xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True)
         p_out = None
-    z = scaled_mm_rowwise(xq, t.t(), xscale, torch.full((np_,), t_scale, device=x.device)) if fp8 else xq @ t.t()
+    z = scaled_mm_rowwise(xq, t.t(), xscale, constant_vector(x.device, np_, t_scale)) if fp8 else xq @ t.t()
     y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
     if plan is not None and m > 0:
         p_out.run(z, y)
