@@ -16,7 +16,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import TILE
 from .codec import CodecPath, codec_path, decode_block
-from .common import CORE_FP8_SCALE, Prepared, check_codebook, launch, prepare, round_to
+from .common import CORE_FP8_SCALE, Prepared, check_codebook, prepare, round_to
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
@@ -99,7 +99,4 @@ def prepare_dequantize_core(qw: QuantizedWeight, dtype: torch.dtype, cfg: Dequan
     args = (qw.trellis, out, kt, out.stride(0))
     settings = dict(SCALE=scale, BITS=qw.bits, BN=cfg.block_n, BKT=cfg.block_kt, USE_PTX=cfg.codec == CodecPath.PTX,
                     num_warps=cfg.num_warps)
-    if not keep:
-        launch(_dequant_kernel, grid, *args, **settings)
-        return out, 1.0 / scale, None
-    return out, 1.0 / scale, prepare(_dequant_kernel, grid, *args, slots=("out_ptr",), **settings)
+    return out, 1.0 / scale, prepare(_dequant_kernel, grid, *args, slots=("out_ptr",) if keep else None, **settings)

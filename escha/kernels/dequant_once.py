@@ -30,7 +30,7 @@ from .actquant import actquant_config, prepare_actquant, run_actquant
 from .codec import CodecPath, codec_path, decode_block
 from .dequant import DequantConfig, dequant_config, prepare_dequantize_core
 from .common import (CORE_FP8_SCALE, FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, Prepared, check_codebook, check_operands,
-                     constant_vector, dot_dtype, hadamard_operand, launch, load_hadamard, prepare, round_to,
+                     constant_vector, dot_dtype, hadamard_operand, load_hadamard, prepare, round_to,
                      row_scale_block, weight_plans, workspace)
 from .transforms import prepare_output_dense
 
@@ -131,10 +131,8 @@ def _dequant_hn(qw: QuantizedWeight, fp8: bool, cfg: DequantOnceConfig,
     args = (qw.trellis, qw.su, qw.scale, qw.gscale, h, w, ws if fp8 else w, w.stride(0), np_)
     settings = dict(KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8, DOT_DTYPE=ddt,
                     USE_PTX=cfg.codec == CodecPath.PTX, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not keep:
-        launch(dequant_hn_kernel, grid, *args, **settings)
-        return w, ws, None
-    return w, ws, prepare(dequant_hn_kernel, grid, *args, slots=("w_ptr", "wscale_ptr"), **settings)
+    return w, ws, prepare(dequant_hn_kernel, grid, *args, slots=("w_ptr", "wscale_ptr") if keep else None,
+                          **settings)
 
 
 def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard_operand, launch,
+from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard_operand,
                      load_hadamard, prepare, release_dependents, round_to, row_scale_block, wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
@@ -272,7 +272,5 @@ def prepare_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     args = (z, hadamard_operand(z.device, ddt), out, qw.scale, qw.su, qw.gscale, m, qw.out_features, z.stride(0),
             out.stride(0))
-    if not keep:
-        launch(_output_hadamard_kernel, grid, *args, BM=bm, DOT_DTYPE=ddt, num_warps=4)
-        return None
-    return prepare(_output_hadamard_kernel, grid, *args, slots=("z_ptr", "y_ptr"), BM=bm, DOT_DTYPE=ddt, num_warps=4)
+    return prepare(_output_hadamard_kernel, grid, *args, slots=("z_ptr", "y_ptr") if keep else None, BM=bm,
+                   DOT_DTYPE=ddt, num_warps=4)
