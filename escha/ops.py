@@ -33,7 +33,9 @@ the reference path, whatever path was asked for, since compiled Triton kernels c
 The entry point is the custom op ``escha::matmul`` (x, the weight's stored tensors as
 ``QuantizedWeight.TENSORS`` declares them, then ints), with a fake implementation, so it works
 under torch.compile(fullgraph=True) and inside CUDA-graph capture: nothing in it synchronizes
-with the host or copies from host memory.
+with the host or copies from host memory. A plain eager call (no compiler, tracer, dispatch mode,
+profiler or gradient involved) runs the same implementation without the op's dispatch, which
+costs as much host time as the kernels' launches at a few tokens.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .format.codec import matmul_reference
 from .format.qweight import TENSOR_NAMES, QuantizedWeight
@@ -262,34 +265,56 @@ def _out_dtype(x: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.dtype
     return x.dtype if norm_weight is None else torch.promote_types(x.dtype, norm_weight.dtype)
 
 
+def _product(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None, precision: Precision | str,
+             rule: DispatchRule, norm: RowNorm | None, head: HeadNorm | None) -> torch.Tensor:
+    """The work of escha.matmul on checked arguments: pick the path, run it, apply what it did not fuse."""
+    x2d = x.reshape(-1, qw.in_features)
+    m = x2d.shape[0]
+    if m == 0:
+        return x.new_empty((*x.shape[:-1], qw.out_features), dtype=_out_dtype(x, None if norm is None else norm.weight))
+    op = dispatch_table()[resolve_path(m, qw, path, precision, rule)]
+    kwargs = {}
+    if norm is not None:
+        if op.fuses_norm and norm.fusable(x2d):
+            kwargs["norm"] = norm
+        else:
+            x2d = norm.apply(x2d)
+    if head is not None and op.fuses_norm and head.fusable(x2d):  # y has x2d's dtype and device
+        kwargs["head_norm"], head = head, None
+    y = op.run(x2d, qw, **kwargs)
+    if head is not None:
+        y = head.apply(y)
+    return y.reshape(*x.shape[:-1], qw.out_features)
+
+
 def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     """escha::matmul. path = -1 picks by rule at run time (so one compiled graph serves every M)."""
     tensors, ints = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):_N_FIXED]
     rest = tuple(args[_N_FIXED:])
     norm_weight, norm_eps, head_weight, head_blocks, head_eps = rest + _OPTIONAL[len(rest):]
     out_features, in_features, bits, codebook_id, path, precision, decode_max_m, dequant_min_m, core_m_per_kblock = ints
-    x2d = x.reshape(-1, in_features)
-    m = x2d.shape[0]
-    if m == 0:
-        return x.new_empty((*x.shape[:-1], out_features), dtype=_out_dtype(x, norm_weight))
     rule = DispatchRule(decode_max_m=decode_max_m, dequant_min_m=dequant_min_m, core_m_per_kblock=core_m_per_kblock)
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
-    chosen = resolve_path(m, qw, None if path == _AUTO else _PATHS[path], _PRECISIONS[precision], rule)
-    op = dispatch_table()[chosen]
-    kwargs = {}
-    if norm_weight is not None:
-        norm = RowNorm(norm_weight, norm_eps)
-        if op.fuses_norm and norm.fusable(x2d):
-            kwargs["norm"] = norm
-        else:
-            x2d = norm.apply(x2d)
+    norm = None if norm_weight is None else RowNorm(norm_weight, norm_eps)
     head = None if head_weight is None else HeadNorm(head_weight, head_blocks, head_eps)
-    if head is not None and op.fuses_norm and head.fusable(x2d):  # y has x2d's dtype and device
-        kwargs["head_norm"], head = head, None
-    y = op.run(x2d, qw, **kwargs)
-    if head is not None:
-        y = head.apply(y)
-    return y.reshape(*x.shape[:-1], out_features)
+    return _product(x, qw, None if path == _AUTO else _PATHS[path], _PRECISIONS[precision], rule, norm, head)
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    """A tensor no subclass, tracer or autograd needs to see (or no tensor)."""
+    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not (t.requires_grad and torch.is_grad_enabled()))
+
+
+def _direct(x: torch.Tensor, qw: QuantizedWeight, norm: RowNorm | None, head_norm: HeadNorm | None) -> bool:
+    """Whether a call may run its implementation without the custom op's dispatch, with the same
+    result: an eager call (no compiler, dispatch or function mode, no profiler recording ops)
+    on plain tensors that need no gradient. The dispatch costs tens of µs a call on the host,
+    as much as the kernels' launches at a few tokens (docs/KERNELS.md, "Host time of a call")."""
+    if (torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
+            or torch._C._is_torch_function_mode_enabled() or _get_current_dispatch_mode() is not None):
+        return False
+    return (_plain(x) and all(_plain(t) for t in qw.tensors().values())
+            and (norm is None or _plain(norm.weight)) and (head_norm is None or _plain(head_norm.weight)))
 
 
 def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:
@@ -341,6 +366,8 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
     if head_norm is not None and head_norm.weight.shape[0] != np_:  # HeadNorm checks its flags against it
         raise ValueError(f"the head norm must have [{np_}] row weights and [{np_ // HEAD}] block flags, got "
                          f"{list(head_norm.weight.shape)} and {list(head_norm.blocks.shape)}")
+    if _direct(x, qw, norm, head_norm):
+        return _product(x, qw, path, precision, r, norm, head_norm)
     code = _AUTO if path is None else _PATH_CODE[path]
     ints = (qw.out_features, qw.in_features, qw.bits, qw.codebook_id, code, _PRECISION_CODE[precision],
             r.decode_max_m, r.dequant_min_m, r.core_m_per_kblock)

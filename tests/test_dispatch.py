@@ -216,6 +216,80 @@ def test_reference_on_cpu_without_interpreter(monkeypatch):
     assert available_paths(random_qweight(128, 128, 2), 8) == [KernelPath.REFERENCE]
 
 
+def _spy_product(monkeypatch) -> list[str]:
+    """Record, per escha.matmul call, who ran its implementation: ``matmul`` itself (the plain
+    eager call) or the custom op's ``_matmul_impl``."""
+    import sys
+
+    from escha import ops
+    callers, product = [], ops._product
+
+    def spy(*args):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return product(*args)
+    monkeypatch.setattr(ops, "_product", spy)
+    return callers
+
+
+def _normed_call(seed: int):
+    """A call with both norms, its arguments fresh: (x, qw, norm, head_norm)."""
+    from escha.norm import HeadNorm, RowNorm
+    g = torch.Generator().manual_seed(seed)
+    qw = random_qweight(256, 384, 2, seed=seed, device=DEV)
+    x = torch.randn(3, 384, generator=g).to(DEV, torch.bfloat16)
+    norm = RowNorm((torch.rand(384, generator=g) + 0.5).to(DEV, torch.bfloat16), 1e-6)
+    head = HeadNorm((torch.rand(256, generator=g) + 0.5).to(DEV, torch.bfloat16),
+                    torch.tensor([1, 0], dtype=torch.int8, device=DEV), 1e-6)
+    return x, qw, norm, head
+
+
+def _op_context(reason: str, x: torch.Tensor):
+    """A context under which escha.matmul must go through its custom op."""
+    import contextlib
+    if reason == "grad":
+        x.requires_grad_(True)
+        return contextlib.nullcontext()
+    if reason == "profiler":
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    if reason == "function mode":
+        return torch.device(DEV)  # a TorchFunctionMode
+    raise ValueError(reason)
+
+
+@pytest.mark.parametrize("reason", ["grad", "profiler", "function mode"])
+def test_plain_eager_call_skips_the_op_dispatch_bit_for_bit(monkeypatch, reason):
+    """A plain eager call runs the op's implementation directly (its dispatch costs host time);
+    a gradient, the profiler or a mode makes it go through the op, with the same bits."""
+    callers = _spy_product(monkeypatch)
+    x, qw, norm, head = _normed_call(seed=11)
+    direct = escha.matmul(x, qw, norm=norm, head_norm=head)
+    assert callers == ["matmul"]
+    with _op_context(reason, x) as ctx:
+        via_op = escha.matmul(x, qw, norm=norm, head_norm=head)
+    assert callers == ["matmul", "_matmul_impl"]
+    assert torch.equal(direct, via_op.detach())
+    if reason == "profiler":  # the op is what the profiler counts (bench_e2e's escha.matmul calls)
+        assert sum(e.name == "escha::matmul" for e in ctx.events()) == 1
+    if reason == "grad":  # the op has no backward: asking for one raises, as before
+        with pytest.raises(RuntimeError):
+            via_op.float().sum().backward()
+
+
+def test_plain_eager_call_under_no_grad_and_fake_tensors(monkeypatch):
+    """A tensor that requires grad under no_grad is plain; fake tensors go through the op."""
+    callers = _spy_product(monkeypatch)
+    x, qw, norm, head = _normed_call(seed=12)
+    want = escha.matmul(x, qw, norm=norm)
+    with torch.no_grad():
+        got = escha.matmul(x.clone().requires_grad_(True), qw, norm=norm)
+    assert callers == ["matmul", "matmul"] and torch.equal(want, got)
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        fq = QuantizedWeight.trusted([mode.from_tensor(t) for t in qw.tensors().values()], qw.shape, qw.bits)
+        y = escha.matmul(fx, fq)
+    assert y.shape == (3, 256) and callers == ["matmul", "matmul"]  # the fake kernel ran, not the product
+
+
 # ---------------------------------------------------------------------------- GPU only
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -48,3 +48,106 @@ def test_hadamard_input_against_the_reference(k, dtype, with_norm):
     order = mma_column_order(DEV)
     blocks = xq.view(3, -1, 128)
     assert torch.equal(xo.view(3, -1, 128).view(torch.int16), blocks[:, :, order].view(torch.int16))
+
+
+# ------------------------------------------------------------------ the in-register Hadamard
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from escha.format import block_hadamard, row_scale  # noqa: E402
+from escha.kernels import transforms  # noqa: E402
+from escha.kernels.common import hadamard128  # noqa: E402
+from escha.kernels.transforms import hadamard_output  # noqa: E402
+from escha.norm import HeadNorm  # noqa: E402
+
+
+@triton.jit
+def _hadamard128_rows(x_ptr, y_ptr, R: tl.constexpr):
+    offs = tl.program_id(0) * R * 128 + tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(y_ptr + offs, hadamard128(tl.load(x_ptr + offs)))
+
+
+def sylvester(n: int) -> torch.Tensor:
+    i = torch.arange(n)
+    bits = (i[:, None] & i[None, :]).tolist()
+    return torch.tensor([[(-1.0) ** bin(v).count("1") for v in row] for row in bits], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+def test_hadamard128_against_fp64(rows):
+    """Seven butterfly stages, each one fp32 rounding of a partial sum whose magnitude is at most
+    the sum of |x| over its inputs: |error| <= 7 * 2**-24 * sum|x| of the row, per output."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(2 * rows, 128, generator=g) * torch.logspace(-3, 3, 2 * rows)[:, None]
+    x[0, 5] = 1e4  # one outlier
+    y = torch.full_like(x, float("nan")).to(DEV)  # poisoned: every output must be written
+    _hadamard128_rows[(2,)](x.to(DEV), y, R=rows)
+    want = x.double() @ sylvester(128)
+    bound = 7 * 2.0 ** -24 * x.double().abs().sum(dim=1, keepdim=True)
+    assert ((y.cpu().double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("ch", [2, 4, 16])
+def test_input_transform_does_not_depend_on_blocks_per_program(monkeypatch, ch):
+    """Each 128-block goes through the same butterflies whichever program takes it: the output is
+    the same bits for any blocks-per-program (ragged last group included: 65 blocks)."""
+    g = torch.Generator().manual_seed(ch)
+    qw = random_qweight(64, 8200, 2, seed=ch, device=DEV)
+    x = torch.randn(2, 8200, generator=g).to(DEV, torch.bfloat16)
+    monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks: 1)
+    one, inv1 = hadamard_input(x, qw, mma_order=True)
+    monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks: ch)
+    many, inv = hadamard_input(x, qw, mma_order=True)
+    assert torch.equal(inv, inv1) and torch.equal(many.view(torch.int16), one.view(torch.int16))
+
+
+def test_input_blocks_per_program_rule():
+    """The most blocks a program that still give INPUT_PROGRAMS programs, at least one."""
+    assert transforms.input_blocks_per_program(1, 40) == 1
+    assert transforms.input_blocks_per_program(16, 40) == 2  # 320 programs
+    assert transforms.input_blocks_per_program(64, 40) == 8  # 320 programs
+    assert transforms.input_blocks_per_program(4096, 68) == 16
+    for m in (1, 3, 16, 64, 256):
+        ch = transforms.input_blocks_per_program(m, 68)
+        assert ch == 1 or m * -(-68 // ch) >= transforms.INPUT_PROGRAMS
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])  # one token a program, four, sixteen and a ragged block
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hadamard_output_against_the_reference(m, split, dtype):
+    """y = crop((Hn sum_s z[s]) * g*c*su * 2**-e): the partials summed in order in fp32, then
+    butterflies with at most 7 * 2**-24 * sum|z| of error each (test_hadamard128_against_fp64),
+    then two fp32 products: within 2**-20 normwise in fp32; in bf16, the one rounding to bf16
+    (2**-8 an element) on top."""
+    g = torch.Generator().manual_seed(m * 10 + split)
+    qw = random_qweight(300, 256, 2, seed=m + split, device=DEV)  # 3 row blocks, the last ragged
+    np_ = qw.padded_shape[0]
+    z = torch.randn(split, m, np_, generator=g).to(DEV)
+    inv = torch.exp2(torch.randint(-5, 6, (m,), generator=g).float()).to(DEV)
+    out = torch.full((m, 300), float("nan"), dtype=dtype, device=DEV)
+    hadamard_output(z, qw, inv, out)
+    zs = z[0].clone()
+    for s in range(1, split):
+        zs += z[s]
+    want = (block_hadamard(zs.double().cpu(), dim=-1) * row_scale(qw).double().cpu()
+            * inv.double().cpu()[:, None])[:, :300]
+    got = out.double().cpu()
+    rel = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
+    assert rel <= (2.0 ** -20 if dtype == torch.float32 else 2.0 ** -8), rel
+
+
+def test_hadamard_output_head_norm_against_the_model_norm():
+    """The flagged head normalised as HeadNorm.apply does it to the projection's bf16 output."""
+    g = torch.Generator().manual_seed(5)
+    qw = random_qweight(256, 128, 2, seed=5, device=DEV)
+    z = torch.randn(2, 3, 256, generator=g).to(DEV)
+    inv = torch.ones(3, device=DEV)
+    head = HeadNorm((torch.rand(256, generator=g) + 0.5).to(DEV, torch.bfloat16),
+                    torch.tensor([1, 0], dtype=torch.int8, device=DEV), 1e-6)
+    plain = hadamard_output(z, qw, inv, torch.empty(3, 256, dtype=torch.bfloat16, device=DEV))
+    normed = hadamard_output(z, qw, inv, torch.full((3, 256), float("nan"), dtype=torch.bfloat16, device=DEV),
+                             head_norm=head)
+    want = head.apply(plain)
+    assert torch.equal(normed[:, 128:], plain[:, 128:])  # the unflagged block is untouched
+    assert ((normed.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-6).all()

@@ -331,6 +331,31 @@ def load_hadamard(h_ptr):
 
 
 @triton.jit
+def hadamard128(x):
+    """x [R, 128] (fp32) @ H128, the unnormalized Sylvester matrix, in registers: seven butterfly
+    stages (k = 16 a + b splits H128 into H2 factors, one per index bit), no matrix loaded and no
+    tensor core, so any R (1, 2, ...) works where tl.dot needs 16 rows.
+
+    Each stage fetches every element's partner of one index bit exactly (the xor of the pair,
+    ``tl.xor_sum`` over that axis of size 2, xored back into the element's own bits: a register
+    move inside a thread, one shuffle across lanes) and forms p + y on the low element of the pair
+    and p - y on the high one: one rounding each, the textbook butterfly. Products with +-1 are
+    exact, so the only rounding is the fp32 adds (7 a result). On sm_90a with a 16-byte-aligned
+    [R, 128] tile and 4 warps it compiles to 7 operations per element and, from R = 4, no shared
+    memory (offline SASS census in docs/KERNELS.md, "Transforms in registers").
+    """
+    R: tl.constexpr = x.shape[0]
+    y = tl.reshape(x, [R, 2, 2, 2, 2, 2, 2, 2])
+    c = tl.reshape(tl.arange(0, 128)[None, :], [1, 2, 2, 2, 2, 2, 2, 2])
+    for k in tl.static_range(7):  # axis k + 1 holds index bit 6 - k
+        sgn = (1 - 2 * ((c >> (6 - k)) & 1)).to(tl.float32)  # +1 on the pair's low element, -1 on its high one
+        yi = y.to(tl.int32, bitcast=True)
+        p = (yi ^ tl.xor_sum(yi, axis=k + 1, keep_dims=True)).to(tl.float32, bitcast=True)
+        y = y * sgn + p  # an fma with +-1: round(p +- y)
+    return tl.reshape(y, [R, 128])
+
+
+@triton.jit
 def row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, mask):
     """g*c*su for output channels n, in fp32, multiplied in escha.format.row_scale's order."""
     g = tl.load(gscale_ptr)

@@ -2,8 +2,10 @@
 
 The GEMM runs in the transform domain:  y = crop( (Hn z) * g*c*su ),  z = x' T^T,
 x' = Hk (sv * pad(x))  (escha.format.codec). Both Hadamards are block-diagonal with 128-blocks and
-entries +-1/sqrt(128); the kernels multiply by the exact +-1 matrix on the tensor cores and apply
-1/sqrt(128) once in fp32.
+entries +-1/sqrt(128); the kernels multiply by the exact +-1 matrix and apply 1/sqrt(128) once in
+fp32. The decode transforms (a few tokens) do it in registers, seven fp32 butterfly stages
+(``common.hadamard128``); the output pass of a 16-bit library product (many tokens) on the
+tensor cores.
 
 Activation scaling. The GEMM's operands are fp16 (T is exactly fp16, so the weight side costs no
 rounding at all). To keep x' inside fp16's range for any bf16/fp32 input, each token row is
@@ -20,7 +22,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard_operand,
+from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard128, hadamard_operand,
                      load_hadamard, prepare, release_dependents, round_to, row_scale_block, wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
@@ -39,9 +41,9 @@ def _normed(x, nw_ptr, k, mask, rstd, NORM: tl.constexpr, X_DTYPE: tl.constexpr)
 
 
 @triton.jit
-def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, Kp, stride_xm, stride_xk,
+def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
+                            MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
                             RELEASE_EARLY: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
@@ -82,20 +84,15 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, nw_ptr, eps, 
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     if pc == 0:
         tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
-    # Pass 2: CH Hadamard blocks as the rows of one [CH, 128] @ [128, 128] product.
+    # Pass 2: CH Hadamard blocks, the rows of one [CH, 128] tile, through the butterflies of
+    # hadamard128: sign flips and +-1 products are exact, the sums fp32.
     b = pc * CH + tl.arange(0, CH)[:, None]
     j = tl.arange(0, 128)[None, :]
     k = b * 128 + j
     xs = _normed(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32), nw_ptr, k, k < K_in,
                  rstd, NORM, X_DTYPE)
     xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
-    # Sign flips keep x exact in its own dtype, and so is the +-1 matrix: a dot in x's dtype
-    # (DOT_DTYPE) has exact products and fp32 sums. fp32 inputs take tf32x3.
-    if DOT_DTYPE == tl.float32:
-        h = tl.dot(xs, load_hadamard(h_ptr), input_precision="tf32x3")
-    else:
-        h = tl.dot(xs.to(DOT_DTYPE), load_hadamard(h_ptr))
-    h = (h * INV_SQRT_HAD) * scale
+    h = (hadamard128(xs) * INV_SQRT_HAD) * scale
     if MMA_ORDER:
         # T column 16 q + c of a 128-block sits at MMA column 16 (c % 8) + 8 (q % 2) + 2 (q // 2)
         # + c // 8 (the inverse of decode_wgmma.mma_column_order).
@@ -105,6 +102,22 @@ def _input_transform_kernel(x_ptr, sv_ptr, h_ptr, xq_ptr, inv_ptr, nw_ptr, eps, 
     else:
         dst = k
     tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
+
+
+#: Programs an input transform aims at: two a streaming multiprocessor of an H100/H200 (132).
+INPUT_PROGRAMS = 264
+
+
+def input_blocks_per_program(m: int, blocks: int) -> int:
+    """Hadamard blocks one input-transform program takes (1, 2, 4, 8 or 16): the most that still
+    leave ``INPUT_PROGRAMS`` programs for M tokens of ``blocks`` blocks each, at least one. Every
+    program reads its token's whole row for the row's max |x| (an L2 hit after the first), so
+    fewer blocks a program means more parallel programs for the same few tokens, not less work:
+    at one token the kernel is bound by its programs' latency, not by throughput."""
+    ch = 16
+    while ch > 1 and m * -(-blocks // ch) < INPUT_PROGRAMS:
+        ch //= 2
+    return ch
 
 
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
@@ -123,14 +136,13 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     kp = qw.padded_shape[1]
     out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
     inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
-    ch = 16
+    ch = input_blocks_per_program(m, kp // HAD_BLOCK)
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
-    ddt = dot_dtype(x2d.dtype)
     # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
-    args = (x2d, qw.sv, hadamard_operand(x2d.device, ddt), out, inv_scale, x2d if norm is None else norm.weight,
+    args = (x2d, qw.sv, out, inv_scale, x2d if norm is None else norm.weight,
             0.0 if norm is None else norm.eps, qw.in_features, kp, x2d.stride(0), x2d.stride(1))
-    settings = dict(CH=ch, AMAX_BLOCK=amax_block, AMAX_STEPS=triton.cdiv(qw.in_features, amax_block), DOT_DTYPE=ddt,
+    settings = dict(CH=ch, AMAX_BLOCK=amax_block, AMAX_STEPS=triton.cdiv(qw.in_features, amax_block),
                     MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early, NORM=norm is not None,
                     X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4, launch_pdl=dependent_launch)
     return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS if keep else None,
@@ -152,7 +164,7 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
 
 
 @triton.jit
-def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, heps,
+def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, heps,
                              M, N_out, Np, stride_ym,
                              SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr):
     """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
@@ -168,18 +180,13 @@ def _output_transform_kernel(z_ptr, h_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr,
     m = mb * BM + tl.arange(0, BM)[:, None]
     n = nb * 128 + tl.arange(0, 128)[None, :]
     mmask = m < M
-    hm = load_hadamard(h_ptr)
     rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
     wait_for_producer(PDL)
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask, other=0.0)
-    # z H in two tf32 products: z_hi (z with 10 mantissa bits, exact in tf32) and the rest
-    # z - z_hi (<= 13 significant bits, 2**-10 of z, so its own tf32 rounding is ~2**-21 of z);
-    # H is exact in tf32.
-    z_hi = (z.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    h = tl.dot(z_hi, hm, input_precision="tf32")
-    h = tl.dot(z - z_hi, hm, h, input_precision="tf32") * INV_SQRT_HAD
+    # z H in fp32 butterflies (hadamard128): exact +-1 products, 7 fp32 roundings a value.
+    h = hadamard128(z) * INV_SQRT_HAD
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
     y = h * rs * inv
     if HEAD_NORM:
@@ -216,10 +223,10 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
     if head_norm is not None and (head_norm.weight.shape[0] != np_ or not head_norm.fusable(out)):
         raise ValueError(f"head norm: weight must be contiguous {out.dtype} [{np_}] and blocks int8 [{np_ // HAD_BLOCK}]")
-    bm = 16
+    bm = min(16, triton.next_power_of_2(m))  # tokens a program: no padded rows at few tokens
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
-    args = (z, hadamard_operand(z.device, tl.float32), out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb,
+    args = (z, out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb,
             0.0 if head_norm is None else head_norm.eps, m, qw.out_features, np_, out.stride(0))
     settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=4,
                     launch_pdl=dependent_launch)

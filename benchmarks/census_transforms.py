@@ -1,0 +1,105 @@
+"""Offline SASS census of the decode call's two transform kernels (no GPU needed).
+
+    python benchmarks/census_transforms.py [--tree DIR] [--label NAME] --out FILE.json
+
+Compiles, for sm_90a inside ``triton_compat.compile_only``, the input transform
+(``hadamard_input(..., mma_order=True)``, bf16 x) and the output transform (``hadamard_output``,
+the decode GEMM's rule's split, bf16 y) exactly as ``decode_wgmma`` launches them, at the seed
+shapes and M = 1, 16, 64, from the escha tree ``--tree`` (default: this checkout; another tree
+gives the census of another version, e.g. an older commit's ``git archive``). Per kernel: the
+warps, registers and local memory (``cuobjdump -res-usage``), the dynamic shared memory Triton
+allocates, and the
+whole program's SASS instruction count with the opcodes that say where its time goes (shared
+memory stores and loads, barriers, shuffles, tensor-core and fp32 ops). Counts, not timings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+from bench_decode import opcode_counts, sass_instructions  # noqa: E402
+
+SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
+WATCH = ("STS", "LDS", "BAR", "SHFL", "HMMA", "HGMMA", "FADD", "FFMA", "FMUL", "LDG", "STG")
+
+# Run in a child process with the tree first on the path and no interpreter.
+_COMPILE = r"""
+import json, sys, torch
+from escha.format import QuantizedWeight
+from escha.kernels.triton_compat import compile_only
+from escha.kernels.transforms import hadamard_input, hadamard_output
+from escha.kernels.decode_wgmma import decode_wgmma_config
+shapes, ms = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = []
+for name, (n, k) in shapes.items():
+    qw = QuantizedWeight.placeholder((n, k), 2)
+    for m in ms:
+        x = torch.zeros(m, k, dtype=torch.bfloat16)
+        split = decode_wgmma_config(qw, m, torch.device("cuda")).split
+        z = torch.zeros(split, m, qw.padded_shape[0])
+        with compile_only() as compiled:
+            hadamard_input(x, qw, mma_order=True, dependent_launch=True, release_early=True)
+            inv = torch.ones(m)
+            hadamard_output(z, qw, inv, torch.zeros(m, n, dtype=torch.bfloat16), dependent_launch=True)
+        for kname, kern in compiled:
+            out.append({"shape": name, "M": m, "kernel": kname, "num_warps": kern.metadata.num_warps,
+                        "shared": kern.metadata.shared, "sass": kern.asm["sass"], "cubin": kern.asm["cubin"].hex()})
+json.dump(out, sys.stdout)
+"""
+
+
+def res_usage(cubin: bytes) -> dict[str, int]:
+    """REG, SHARED, STACK, LOCAL of the kernel in a cubin (cuobjdump -res-usage)."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", text)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", default=ROOT, help="the escha tree to compile (default: this checkout)")
+    ap.add_argument("--label", default="this checkout")
+    ap.add_argument("--ms", default="1,16,64")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.tree), env.get("PYTHONPATH")) if p)
+    ms = [int(v) for v in args.ms.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "compile_transforms_census.py")
+        with open(script, "w") as f:
+            f.write(_COMPILE)
+        run = subprocess.run([sys.executable, script, json.dumps(SHAPES), json.dumps(ms)], capture_output=True,
+                             text=True, env=env, timeout=1800, cwd=tmp)
+    if run.returncode != 0:
+        raise SystemExit(f"compiling the kernels failed:\n{run.stderr[-3000:]}")
+    rows = []
+    for e in json.loads(run.stdout):
+        counts = opcode_counts(sass_instructions(e["sass"])[0])
+        counts.pop("NOP", None)
+        rows.append({"shape": e["shape"], "M": e["M"], "kernel": e["kernel"], "num_warps": e["num_warps"],
+                     "dynamic_shared": e["shared"], **res_usage(bytes.fromhex(e["cubin"])), "sass_instructions": sum(counts.values()),
+                     **{op: counts.get(op, 0) for op in WATCH}})
+    with open(args.out, "w") as f:
+        json.dump({"tree": args.label, "target": "sm_90a", "rows": rows}, f, indent=1)
+    cols = ["shape", "M", "kernel", "num_warps", "REG", "dynamic_shared", "LOCAL", "sass_instructions", *WATCH]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
