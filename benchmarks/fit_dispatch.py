@@ -175,8 +175,8 @@ def markdown(fitted: dict) -> str:
     else:
         core = (f", core_m_per_kblock={rule['core_m_per_kblock']}" if "core_m_per_kblock" in rule else "")
         out += ["", f"As `escha.ops.DispatchRule`: `DispatchRule(decode_max_m={rule['decode_max_m']}, "
-                    f"dequant_min_m={rule['dequant_min_m']}{core})` (inside the decode range, decode against "
-                    f"decode-wgmma is `decode_wgmma.preferred_over_portable`; between the two dequantize-once "
+                    f"dequant_min_m={rule['dequant_min_m']}{core})` (inside the decode range, the register-operand "
+                    f"kernel wherever it runs, else the portable one; between the two dequantize-once "
                     f"forms, `DispatchRule.dequant_path` by K)."]
         if fitted.get("core_form_worst_loss") is not None:
             out += ["", f"The K-proportional choice between the dequantize-once forms loses at most "

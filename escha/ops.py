@@ -212,10 +212,10 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
                  precision: Precision | str = Precision.FP8, rule: DispatchRule = DEFAULT_RULE) -> KernelPath:
     """The path ``matmul(x, qw, ...)`` runs for M rows of x (what it does, without running it).
 
-    The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3)
-    and where it measured faster than the portable kernel (``decode_wgmma.preferred_over_portable``:
-    where its GEMM starts early, and at 32 tokens or more); elsewhere the portable kernel, up to
-    its 64 tokens; above those, dequantize-once. A path asked for by name runs as asked.
+    The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3:
+    since the transforms moved into registers it measured faster than the portable kernel at 11
+    of 12 points up to 16 tokens on four shapes, docs/KERNELS.md); elsewhere the portable kernel,
+    up to its 64 tokens; above those, dequantize-once. A path asked for by name runs as asked.
     """
     if path is not None and path not in _PATH_CODE:
         raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
@@ -235,17 +235,14 @@ def _resolve(m: int, shape: tuple[int, int], bits: int, codebook_id: int, device
         return KernelPath.REFERENCE
     if path is not None:
         return _PATHS[path]
-    qw = QuantizedWeight.placeholder(shape, bits, codebook_id, device="meta")
-    chosen = rule.choose(m, _PRECISIONS[precision], in_features=qw.in_features)
+    chosen = rule.choose(m, _PRECISIONS[precision], in_features=shape[1])
     if chosen != KernelPath.DECODE:
         return chosen
     if dispatch_table()[KernelPath.DECODE_WGMMA].available(device, bits, m, True):
-        from .kernels.decode_wgmma import preferred_over_portable
-        if preferred_over_portable(qw, m, device):
-            return KernelPath.DECODE_WGMMA
+        return KernelPath.DECODE_WGMMA
     if dispatch_table()[KernelPath.DECODE].available(device, bits, m, True):
         return KernelPath.DECODE
-    return rule.dequant_path(m, qw.in_features)  # past the portable kernel's range
+    return rule.dequant_path(m, shape[1])  # past the portable kernel's range
 
 
 # The custom op's schema: x, the weight's stored tensors in declaration order, then ints.

@@ -138,7 +138,7 @@ def _unfold(model):
 def _assert_same_as_unfolded(folded, plain):
     """Logits bit for bit on the reference path (which normalises exactly as the model does), and
     the same greedy tokens through the kernels (the interpreter here), which fold the norms."""
-    ids = torch.tensor([[3, 17, 99, 42, 7, 128]])
+    ids = torch.tensor([[3, 17, 99, 42, 7, 128]], device=folded.device)  # load_model puts it on a GPU if any
     with torch.no_grad():
         set_matmul_path(folded, "reference")
         set_matmul_path(plain, "reference")

@@ -415,8 +415,8 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     k-slices by token block: 6 up to 16 tokens; at 32..64 about SPLIT_TARGET_PROGRAMS programs
     (2..8 slices), or the slices (at most 4) that give 4 programs per SM; 3 above; at least two
     k-blocks a slice; an activation ring 3 deep where shared memory allows (2 at 256 tokens); dependent
-    launches wherever the device has them (sm_90 always does), the GEMM starting early at 8 tokens,
-    with one fragment, or with at least 4 programs per SM, and late otherwise. Fitted on the H200
+    launches wherever the device has them (sm_90 always does), the GEMM starting early with one
+    fragment or with at least 4 programs per SM, and late otherwise. Fitted on the H200
     sweeps (note at the end of this module)."""
     return config_with_split(qw, m, None, device)
 
@@ -455,23 +455,14 @@ def _config(np_: int, kp: int, m: int, split: int | None, device: torch.device |
         split = max(1, min(split, kp // BLOCK_K // 2))
     elif not 1 <= split <= kp // BLOCK_K:
         raise ValueError(f"split must be 1..{kp // BLOCK_K} (k-blocks), got {split}")
-    # Early start costs where the GEMM's grid is small and its programs are large (two fragments,
-    # >= 16 tokens): up to 1.6x on down-type shapes (note at the end of this module).
+    # Early start costs where the GEMM's grid leaves slots free and its programs carry two
+    # fragments: up to 1.6x (note at the end of this module), at any token count since the input
+    # transform runs one program per 128-block at a few tokens.
     programs = row_programs * split
-    early = block_tokens == 8 or fragments == 1 or programs >= 4 * sms
+    early = fragments == 1 or programs >= 4 * sms
     return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
                              early_start=early)
-
-
-def preferred_over_portable(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> bool:
-    """Whether the dispatcher's decode range should run this kernel rather than the portable
-    one (decode.py) for M rows: wherever this kernel's rule starts its GEMM early, and at 32 or
-    more tokens. At 9..16 tokens with a late start the two measured within 11% either way, shape
-    by shape (note at the end of this module); at 32..64 tokens, since the split refit, this
-    kernel measured faster at every point of the dense sweep on both seed shapes."""
-    cfg = decode_wgmma_config(qw, m, device)
-    return cfg.early_start or cfg.block_tokens >= 32
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
