@@ -14,6 +14,11 @@ from the sweep's escha-decode-wgmma arm.
 
     python benchmarks/census_share.py [--sweep benchmarks/results/sweep_h200] \\
         [--out benchmarks/results/decode_wgmma_census_share]
+    python benchmarks/census_share.py --bench benchmarks/results/transforms_h200/decode_df4e2ec.json \\
+        --out benchmarks/results/transforms_h200/census_share_df4e2ec
+
+``--bench`` takes the times from a ``bench_decode_wgmma.py`` result instead of a sweep (its
+"wgmma" arm: the rule's whole call; any of its shapes; the clock is the GPU's maximum).
 """
 from __future__ import annotations
 
@@ -71,11 +76,36 @@ def token_block(m: int) -> int:
     return min(256, max(8, 1 << (m - 1).bit_length()))
 
 
+def measured_points(args) -> tuple[list[tuple[str, int, int, int, float]], dict]:
+    """(shape, N, K, M, whole-call µs) of every gated decode point up to 256 tokens, and the run's
+    GPU, SMs, clock and commit: from the dense sweep, or from a bench_decode_wgmma.py result."""
+    points = []
+    if args.bench:
+        with open(args.bench) as f:
+            res = json.load(f)
+        env = res["env"]
+        meta = {"sms": env["sms"], "clock_hz": float(env["clocks_mhz"].split(",")[-1]) * 1e6,
+                "git_sha": env["git"], "gpu": env["gpu"]}
+        for p in res["points"]:
+            if "us" in p and p["M"] <= 256:
+                points.append((p["shape"], p["N"], p["K"], p["M"], p["us"]["wgmma"]))
+        return points, meta
+    for shape in ("gate_up", "down"):
+        with open(os.path.join(args.sweep, f"{shape}_results.json")) as f:
+            res = json.load(f)
+        meta = res["meta"]
+        for r in res["rows"]:
+            if r["arm"] == args.arm and r["M"] <= 256 and r.get("gate") == "pass":
+                points.append((shape, r["N"], r["K"], r["M"], r["us"]))
+    return points, meta
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", default=os.path.join(ROOT, "benchmarks", "results", "sweep_h200"))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "decode_wgmma_census_share"))
     ap.add_argument("--arm", default="escha-decode-wgmma")
+    ap.add_argument("--bench", help="a bench_decode_wgmma.py result json to take the times from instead")
     args = ap.parse_args()
     sass = compile_sass()
     census = {}
@@ -84,28 +114,24 @@ def main() -> None:
         int_ops = sum(counts.get(k, 0) for k in INT_OPS)
         census[bn] = {"fragments": frags, "loop_instructions": sum(counts.values()), "int_ops": int_ops,
                       "int_ops_per_weight": int_ops / (64 * frags), "counts": counts}
+    points, meta = measured_points(args)
+    sms, clock = meta["sms"], meta["clock_hz"]
     rows = []
-    for shape in ("gate_up", "down"):
-        with open(os.path.join(args.sweep, f"{shape}_results.json")) as f:
-            res = json.load(f)
-        meta = res["meta"]
-        sms, clock = meta["sms"], meta["clock_hz"]
-        for r in res["rows"]:
-            if r["arm"] != args.arm or r["M"] > 256 or r.get("gate") != "pass":
-                continue
-            c = census[token_block(r["M"])]
-            floor_us = c["int_ops_per_weight"] * r["N"] * r["K"] / (64 * sms * clock) * 1e6
-            rows.append({"shape": shape, "M": r["M"], "token_block": token_block(r["M"]), "us": r["us"],
-                         "int_ops_per_weight": round(c["int_ops_per_weight"], 3), "floor_us": floor_us,
-                         "share": floor_us / r["us"]})
-    meta_out = {"sweep": os.path.relpath(args.sweep, ROOT), "sweep_git": meta["git_sha"], "gpu": meta["gpu"],
-                "clock_hz": clock, "sms": sms, "arm": args.arm, "int_ops": list(INT_OPS)}
+    for shape, n, k, m, us in points:
+        c = census[token_block(m)]
+        floor_us = c["int_ops_per_weight"] * n * k / (64 * sms * clock) * 1e6
+        rows.append({"shape": shape, "M": m, "token_block": token_block(m), "us": us,
+                     "int_ops_per_weight": round(c["int_ops_per_weight"], 3), "floor_us": floor_us,
+                     "share": floor_us / us})
+    source = args.bench or args.sweep
+    meta_out = {"sweep": os.path.relpath(source, ROOT), "sweep_git": meta["git_sha"], "gpu": meta["gpu"],
+                "clock_hz": clock, "sms": sms, "arm": "wgmma" if args.bench else args.arm, "int_ops": list(INT_OPS)}
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta_out, "census": census, "rows": rows}, f, indent=1)
-    lines = [f"# Register-operand decode: share of the integer floor per point ({meta['gpu']}, sweep at "
-             f"{meta['git_sha'][:7]})", "",
+    lines = [f"# Register-operand decode: share of the integer floor per point ({meta['gpu']}, measured at "
+             f"{meta['git_sha'][:7]}, {meta_out['sweep']})", "",
              "floor = integer ops per weight (loop census, sm_90a SASS) x N x K / (64 x SMs x clock); share = "
-             f"floor / the whole call's median ({args.arm}: input transform, GEMM, output transform).", "",
+             f"floor / the whole call's median ({meta_out['arm']}: input transform, GEMM, output transform).", "",
              "| shape | M | token block | int ops / weight | floor µs | measured µs | share |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['M']} | {r['token_block']} | {r['int_ops_per_weight']:.2f} | "

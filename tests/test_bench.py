@@ -650,6 +650,22 @@ def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
     assert [cs.token_block(m) for m in (1, 8, 9, 16, 24, 64, 65, 200, 300)] == [8, 8, 16, 16, 32, 64, 128, 256, 256]
 
 
+def test_census_share_reads_a_decode_bench_result(tmp_path):
+    """--bench: the rule's whole call ("wgmma") of every timed point up to 256 tokens, any shape,
+    at the GPU's maximum clock; points that failed to time are left out."""
+    import argparse
+    cs = _script("census_share")
+    env = {"sms": 132, "clocks_mhz": "795, 1980", "git": "abc1234", "gpu": "NVIDIA H200"}
+    pts = [{"shape": "qkv_8b", "N": 6144, "K": 4096, "M": 1, "us": {"wgmma": 15.1, "cublas_bf16": 15.6}},
+           {"shape": "down", "N": 5120, "K": 8704, "M": 8},  # no times: its step failed
+           {"shape": "down", "N": 5120, "K": 8704, "M": 512, "us": {"wgmma": 99.0}}]
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"env": env, "points": pts}))
+    points, meta = cs.measured_points(argparse.Namespace(bench=str(path), sweep=None, arm=None))
+    assert points == [("qkv_8b", 6144, 4096, 1, 15.1)]
+    assert meta == {"sms": 132, "clock_hz": 1.98e9, "git_sha": "abc1234", "gpu": "NVIDIA H200"}
+
+
 def test_census_dequant_counts_a_program_and_reads_the_part_arms(tmp_path):
     """A straight-line kernel is counted whole (predicates and modifiers stripped); per weight a
     warp instruction counts 32 lanes per warp; the measured time is the median over M of the

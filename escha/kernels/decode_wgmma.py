@@ -575,8 +575,13 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 #   down    M=16        32.7    44.2    31.8      two fragments, 240 programs: early loses 1.4x
 #   down 8B M=64        59.4    95.8    59.6      128 programs: early loses 1.6x
 #   down    M=128       62.4    59.0    60.6      one fragment: early wins
-# Late never loses to plain by more than noise (down 8B M=64: 59.6 vs 59.4). Hence early at 8
+# Late never loses to plain by more than noise (down 8B M=64: 59.6 vs 59.4). Hence, then, early at 8
 # tokens, with one fragment, or with >= 4 programs per SM; late otherwise (docs/KERNELS.md).
+# Since the transforms run in registers (one input-transform program per 128-block at a few
+# tokens; benchmarks/results/transforms_h200/starts_c2cb05d.*), the early start loses at 1-8 tokens
+# too wherever the grid leaves slots free (early / late, µs): down M=1 37.0 / 25.1, M=8 38.4 / 26.3;
+# q/k/v 8B M=8 21.1 / 15.9; down 8B M=1 55.6 / 35.4; gate_up (816 programs) still wins early,
+# M=1 35.0 / 36.1. Hence early only with one fragment or >= 4 programs per SM.
 # The final numbers with this rule: benchmarks/results/decode_wgmma_h200.{log,json}.
 # Against the portable kernel (decode.py, its own rule), same files, µs, this kernel / portable:
 #   started early (every gate_up M, M <= 8 everywhere): the portable kernel takes 6-18% longer
@@ -599,4 +604,7 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # 33.8 / 36.9, M=48 42.5 / 44.6, M=64 44.1 / 49.7; 8B down M=32 43.8 / 44.6, 8B gate/up M=32
 # 62.5 / 74.2, Qwen3-14B o M=32 24.6 / 28.8; the portable kernel ahead at 32+ tokens only at 8B
 # down M=64 (58.3 / 53.8). At 16 tokens, late start, either way: 8B down 42.2 / 39.5, o 23.4 / 25.9.
-# Hence preferred_over_portable now also takes this kernel at 32 tokens and more.
+# Hence preferred_over_portable then also took this kernel at 32 tokens and more. With the
+# transforms in registers and the late start, this kernel beat the portable one at 11 of 12 points
+# at 1-16 tokens on four shapes (down M=1 25.1 / 28.7; the exception 8B down M=16 41.5 / 38.7), so
+# the dispatcher now takes it wherever it runs and preferred_over_portable is gone.
