@@ -258,6 +258,25 @@ def kernel_role(name: str) -> str:
     return "other"
 
 
+def host_syncs(dec, device: torch.device) -> dict:
+    """Operations of one eager decode step that make the host wait for the GPU (CUDA's sync debug
+    mode: a copy to the host, ``.item()``, ...): their count and first messages. One would make
+    an eager step's host and GPU times add up instead of overlapping."""
+    import warnings
+    if device.type != "cuda":
+        return {"count": None, "first": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            dec._step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    found = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    return {"count": len(found), "first": found[:5]}
+
+
 def launch_profile(model, batch: int, args, device: torch.device) -> dict:
     """One decode step (eager, after a warm-up step) under the torch profiler: the GPU kernels it
     launches and their time by role, and its escha.matmul calls. A graph replays the same kernels."""
@@ -268,6 +287,7 @@ def launch_profile(model, batch: int, args, device: torch.device) -> dict:
         dec.prefill()
         dec._step()
         sync(device)
+        syncs = host_syncs(dec, device)
         with profile(activities=activities) as prof:
             dec._step()
             sync(device)
@@ -280,7 +300,7 @@ def launch_profile(model, batch: int, args, device: torch.device) -> dict:
     calls = sum(1 for e in prof.events() if e.name == "escha::matmul" and e.device_type == torch.autograd.DeviceType.CPU)
     total = sum(r["us"] for r in roles.values())
     gemm = roles.get("escha GEMM", {}).get("us", 0.0)
-    return {"batch": batch, "escha_matmul_calls": calls,
+    return {"batch": batch, "escha_matmul_calls": calls, "host_syncs": syncs,
             "kernel_launches": sum(r["launches"] for r in roles.values()), "by_role": roles,
             "kernel_us": total, "kernel_us_outside_escha_gemms": total - gemm,
             "note": "one eager decode step (batch tokens) under torch.profiler; times are GPU kernel durations"}
@@ -417,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 profiles.append(launch_profile(model, b, args, device))
                 print(f"{arm:6s} batch {b}: {profiles[-1]['kernel_launches']} kernel launches a step, "
-                      f"{profiles[-1]['escha_matmul_calls']} escha.matmul calls", flush=True)
+                      f"{profiles[-1]['escha_matmul_calls']} escha.matmul calls, "
+                      f"{profiles[-1]['host_syncs']['count']} host synchronizations", flush=True)
         arms[arm] = {"rows": rows, "weights_bytes_on_device": mem}
         for tokens in [int(t) for t in args.prefill.split(",") if t]:
             arms[arm].setdefault("prefill", []).append(prefill_times(model, tokens, args, device))

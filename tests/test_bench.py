@@ -539,6 +539,7 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
         prof = e2e.launch_profile(model, 2, args, cpu)
     assert prof["escha_matmul_calls"] == 4 * 2 and prof["batch"] == 2
     assert prof["kernel_launches"] == 0 and prof["by_role"] == {}  # no GPU kernels on a CPU
+    assert prof["host_syncs"] == {"count": None, "first": []}  # CUDA's sync debug mode: GPUs only
     assert [e2e.kernel_role(n) for n in ("_decode_wgmma_kernel", "_output_transform_kernel", "nvjet_hsh_64x8")] == \
         ["escha GEMM", "escha transform", "other"]
     full_args = e2e.parser().parse_args([])

@@ -304,9 +304,9 @@ def hadamard_matrix(device: torch.device, dtype: torch.dtype, scale: float = 1.0
     """The unnormalized [128, 128] Sylvester matrix (+-1, exact in any float dtype) times ``scale``
     (a power of two, so still exact) on ``device``, built once per (device, dtype, scale) with device
     ops only (no host copy, so a first call may even happen inside CUDA-graph capture: ``_cached``).
-    Kernels load it (``load_hadamard``) instead of rebuilding it from indices per program: about ten
-    integer ops per entry, measured as the largest cost of the decode's transform kernels
-    (docs/KERNELS.md)."""
+    The tensor-core products of many rows (the prompt paths) load it (``load_hadamard``) instead of
+    rebuilding it from indices per program (about ten integer ops per entry); the decode transforms,
+    a few rows, use ``hadamard128``'s butterflies instead (docs/KERNELS.md)."""
     if scale <= 0 or math.frexp(scale)[0] != 0.5:
         raise ValueError(f"scale must be a positive power of two (exact), got {scale}")
     return _cached(_HADAMARD, (str(device), dtype, scale), device,

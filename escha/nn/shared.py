@@ -50,8 +50,11 @@ class SharedInput:
 
     def _buffer_key(self, versions: bool = True) -> tuple:
         # Identity and version of every member buffer: a move (.to) or an in-place load changes it.
-        return tuple((id(t), write_count(t) if versions else None)
-                     for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
+        # (write_count's own checks once, not per buffer: this runs on every shared product.)
+        bufs = [m._buffers[n] for m in self.members for n in TENSOR_NAMES]
+        if not versions or torch.compiler.is_compiling():
+            return tuple((id(t), None) for t in bufs)
+        return tuple((id(t), None if t.is_inference() else t._version) for t in bufs)
 
     def _build(self) -> None:
         """Stack the members' weights; each member then holds views of the stack."""
@@ -61,9 +64,10 @@ class SharedInput:
         self._merged = merged
         self._key, self._key_ids = self._buffer_key(), self._buffer_key(versions=False)
 
-    def merged(self):
-        """The stacked QuantizedWeight, rebuilt if a member's buffers were moved or rewritten."""
-        if self._buffer_key() != self._key:
+    def merged(self, key: tuple | None = None):
+        """The stacked QuantizedWeight, rebuilt if a member's buffers were moved or rewritten
+        (``key``: the current ``_buffer_key()``, when the caller has it)."""
+        if (self._buffer_key() if key is None else key) != self._key:
             self._build()
         return self._merged
 
@@ -88,10 +92,11 @@ class SharedInput:
                     return None
                 qw = self._merged
             else:
-                if self._buffer_key() != self._key and capturing():
+                key = self._buffer_key()
+                if key != self._key and capturing():
                     return None  # restacking copies the weights: never inside a CUDA graph being captured
                 try:
-                    qw = self.merged()
+                    qw = self.merged(key)
                 except ShardError:
                     self._stop()  # the members' weights were replaced by ones not quantized together
                     return None
