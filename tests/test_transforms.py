@@ -90,26 +90,29 @@ def test_hadamard128_against_fp64(rows):
 @pytest.mark.parametrize("ch", [2, 4, 16])
 def test_input_transform_does_not_depend_on_blocks_per_program(monkeypatch, ch):
     """Each 128-block goes through the same butterflies whichever program takes it: the output is
-    the same bits for any blocks-per-program (ragged last group included: 65 blocks)."""
+    the same bits for any blocks-per-program (ragged last group included)."""
     g = torch.Generator().manual_seed(ch)
-    qw = random_qweight(64, 8200, 2, seed=ch, device=DEV)
-    x = torch.randn(2, 8200, generator=g).to(DEV, torch.bfloat16)
-    monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks: 1)
+    qw = random_qweight(64, 2200, 2, seed=ch, device=DEV)  # 18 blocks: ragged for 4 and 16
+    x = torch.randn(2, 2200, generator=g).to(DEV, torch.bfloat16)
+    monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks, parallel: 1)
     one, inv1 = hadamard_input(x, qw, mma_order=True)
-    monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks: ch)
+    monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks, parallel: ch)
     many, inv = hadamard_input(x, qw, mma_order=True)
     assert torch.equal(inv, inv1) and torch.equal(many.view(torch.int16), one.view(torch.int16))
 
 
 def test_input_blocks_per_program_rule():
-    """The most blocks a program that still give INPUT_PROGRAMS programs, at least one."""
-    assert transforms.input_blocks_per_program(1, 40) == 1
-    assert transforms.input_blocks_per_program(16, 40) == 2  # 320 programs
-    assert transforms.input_blocks_per_program(64, 40) == 8  # 320 programs
-    assert transforms.input_blocks_per_program(4096, 68) == 16
+    """Compiled (parallel programs): the most blocks a program that still give INPUT_PROGRAMS
+    programs, at least one; in the CPU interpreter (programs one after another) 16."""
+    rule = transforms.input_blocks_per_program
+    assert rule(1, 40) == 1
+    assert rule(16, 40) == 2  # 320 programs
+    assert rule(64, 40) == 8  # 320 programs
+    assert rule(4096, 68) == 16
     for m in (1, 3, 16, 64, 256):
-        ch = transforms.input_blocks_per_program(m, 68)
+        ch = rule(m, 68)
         assert ch == 1 or m * -(-68 // ch) >= transforms.INPUT_PROGRAMS
+        assert rule(m, 68, parallel=False) == 16
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])  # one token a program, four, sixteen and a ragged block

@@ -336,10 +336,11 @@ def hadamard128(x):
     stages (k = 16 a + b splits H128 into H2 factors, one per index bit), no matrix loaded and no
     tensor core, so any R (1, 2, ...) works where tl.dot needs 16 rows.
 
-    Each stage fetches every element's partner of one index bit exactly (the xor of the pair,
-    ``tl.xor_sum`` over that axis of size 2, xored back into the element's own bits: a register
-    move inside a thread, one shuffle across lanes) and forms p + y on the low element of the pair
-    and p - y on the high one: one rounding each, the textbook butterfly. Products with +-1 are
+    Each stage fetches every element's partner of one index bit exactly (the pair's bits summed as
+    uint32 over that axis of size 2, modulo 2**32, minus the element's own bits: a register move
+    inside a thread, one shuffle across lanes) and forms p + y on the low element of the pair and
+    p - y on the high one: one rounding each, the textbook butterfly. (An xor of the pair, via
+    ``tl.xor_sum``, compiles the same but is a per-element Python loop in the CPU interpreter.) Products with +-1 are
     exact, so the only rounding is the fp32 adds (7 a result). On sm_90a with a 16-byte-aligned
     [R, 128] tile and 4 warps it compiles to 7 operations per element and, from R = 4, no shared
     memory (offline SASS census in docs/KERNELS.md, "Transforms in registers").
@@ -349,8 +350,8 @@ def hadamard128(x):
     c = tl.reshape(tl.arange(0, 128)[None, :], [1, 2, 2, 2, 2, 2, 2, 2])
     for k in tl.static_range(7):  # axis k + 1 holds index bit 6 - k
         sgn = (1 - 2 * ((c >> (6 - k)) & 1)).to(tl.float32)  # +1 on the pair's low element, -1 on its high one
-        yi = y.to(tl.int32, bitcast=True)
-        p = (yi ^ tl.xor_sum(yi, axis=k + 1, keep_dims=True)).to(tl.float32, bitcast=True)
+        yi = y.to(tl.uint32, bitcast=True)
+        p = (tl.sum(yi, axis=k + 1, keep_dims=True) - yi).to(tl.float32, bitcast=True)
         y = y * sgn + p  # an fma with +-1: round(p +- y)
     return tl.reshape(y, [R, 128])
 

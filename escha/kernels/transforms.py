@@ -23,7 +23,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
 from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard128, hadamard_operand,
-                     load_hadamard, prepare, release_dependents, round_to, row_scale_block, wait_for_producer)
+                     interpreted, load_hadamard, prepare, release_dependents, round_to, row_scale_block, wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
 INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
@@ -108,14 +108,16 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
 INPUT_PROGRAMS = 264
 
 
-def input_blocks_per_program(m: int, blocks: int) -> int:
-    """Hadamard blocks one input-transform program takes (1, 2, 4, 8 or 16): the most that still
-    leave ``INPUT_PROGRAMS`` programs for M tokens of ``blocks`` blocks each, at least one. Every
-    program reads its token's whole row for the row's max |x| (an L2 hit after the first), so
-    fewer blocks a program means more parallel programs for the same few tokens, not less work:
-    at one token the kernel is bound by its programs' latency, not by throughput."""
+def input_blocks_per_program(m: int, blocks: int, parallel: bool = True) -> int:
+    """Hadamard blocks one input-transform program takes (1, 2, 4, 8 or 16): where programs run in
+    ``parallel`` (compiled kernels) the most that still leave ``INPUT_PROGRAMS`` programs for M
+    tokens of ``blocks`` blocks each, at least one. Every program reads its token's whole row for
+    the row's max |x| (an L2 hit after the first), so fewer blocks a program means more parallel
+    programs for the same few tokens, not less work: at one token the kernel is bound by its
+    programs' latency, not by throughput. Triton's CPU interpreter runs programs one after
+    another, so there every program takes 16."""
     ch = 16
-    while ch > 1 and m * -(-blocks // ch) < INPUT_PROGRAMS:
+    while parallel and ch > 1 and m * -(-blocks // ch) < INPUT_PROGRAMS:
         ch //= 2
     return ch
 
@@ -136,7 +138,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     kp = qw.padded_shape[1]
     out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
     inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
-    ch = input_blocks_per_program(m, kp // HAD_BLOCK)
+    ch = input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
     # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
