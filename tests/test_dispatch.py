@@ -254,6 +254,16 @@ def _op_context(reason: str, x: torch.Tensor):
     raise ValueError(reason)
 
 
+def test_vmap_goes_through_the_op(monkeypatch):
+    """Inside torch.vmap the tensors look plain, but the call must meet the op (vmap runs it row
+    by row, having no batching rule) rather than hand batched tensors to the kernels."""
+    x, qw, _, _ = _normed_call(seed=13)
+    rows = torch.stack([escha.matmul(r, qw) for r in x])
+    callers = _spy_product(monkeypatch)
+    got = torch.vmap(lambda row: escha.matmul(row, qw))(x)
+    assert callers == ["_matmul_impl"] * len(x) and torch.equal(got, rows)
+
+
 @pytest.mark.parametrize("reason", ["grad", "profiler", "function mode"])
 def test_plain_eager_call_skips_the_op_dispatch_bit_for_bit(monkeypatch, reason):
     """A plain eager call runs the op's implementation directly (its dispatch costs host time);
