@@ -304,12 +304,13 @@ def _plain(t: torch.Tensor | None) -> bool:
 
 def _direct(x: torch.Tensor, qw: QuantizedWeight, norm: RowNorm | None, head_norm: HeadNorm | None) -> bool:
     """Whether a call may run its implementation without the custom op's dispatch, with the same
-    result: an eager call (no compiler, functorch transform, dispatch or function mode, no
-    profiler recording ops) on plain tensors that need no gradient. The dispatch costs tens of µs a call on the host,
+    result: an eager call (no compiler, TorchScript trace, functorch transform, dispatch or
+    function mode, no profiler recording ops) on plain tensors that need no gradient. The dispatch costs tens of µs a call on the host,
     as much as the kernels' launches at a few tokens (docs/KERNELS.md, "Host time of a call")."""
     if (torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
             or torch._C._is_torch_function_mode_enabled() or _get_current_dispatch_mode() is not None
-            or torch._C._are_functorch_transforms_active()):  # vmap's tensors look plain
+            or torch._C._are_functorch_transforms_active()  # vmap's tensors look plain
+            or torch.jit.is_tracing()):  # a trace records ops, not kernel launches
         return False
     return (_plain(x) and all(_plain(t) for t in qw.tensors().values())
             and (norm is None or _plain(norm.weight)) and (head_norm is None or _plain(head_norm.weight)))

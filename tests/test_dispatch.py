@@ -254,6 +254,16 @@ def _op_context(reason: str, x: torch.Tensor):
     raise ValueError(reason)
 
 
+def test_a_torchscript_trace_records_the_op(monkeypatch):
+    """torch.jit.trace records ops: the call must go through the op to be in the trace."""
+    x, qw, _, _ = _normed_call(seed=14)
+    want = escha.matmul(x, qw)
+    callers = _spy_product(monkeypatch)
+    traced = torch.jit.trace(lambda t: escha.matmul(t, qw), (x,), check_trace=False)
+    assert callers == ["_matmul_impl"] and "escha::matmul" in str(traced.graph)
+    assert torch.equal(traced(x), want)
+
+
 def test_vmap_goes_through_the_op(monkeypatch):
     """Inside torch.vmap the tensors look plain, but the call must meet the op (vmap runs it row
     by row, having no batching rule) rather than hand batched tensors to the kernels."""
