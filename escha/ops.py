@@ -299,14 +299,16 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
 
 def _plain(t: torch.Tensor | None) -> bool:
     """A tensor no subclass, tracer or autograd needs to see (or no tensor)."""
-    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not (t.requires_grad and torch.is_grad_enabled()))
+    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter)
+                         and not (t.requires_grad and torch.is_grad_enabled()))
 
 
 def _direct(x: torch.Tensor, qw: QuantizedWeight, norm: RowNorm | None, head_norm: HeadNorm | None) -> bool:
     """Whether a call may run its implementation without the custom op's dispatch, with the same
     result: an eager call (no compiler, TorchScript trace, functorch transform, dispatch or
-    function mode, no profiler recording ops) on plain tensors that need no gradient. The dispatch costs tens of µs a call on the host,
-    as much as the kernels' launches at a few tokens (docs/KERNELS.md, "Host time of a call")."""
+    function mode, no profiler recording ops) on plain tensors that need no gradient. The dispatch
+    costs tens of µs a call on the host, as much as the kernels' launches at a few tokens
+    (docs/KERNELS.md, "Host time of a call")."""
     if (torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
             or torch._C._is_torch_function_mode_enabled() or _get_current_dispatch_mode() is not None
             or torch._C._are_functorch_transforms_active()  # vmap's tensors look plain

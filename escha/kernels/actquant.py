@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
-from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_operand, launch,
+from .common import (FP8_DTYPE, FP8_MAX, INV_SQRT_HAD, check_operands, dot_dtype, hadamard_operand,
                      load_hadamard, prepare, round_to, workspace)
 
 
@@ -165,7 +165,7 @@ def prepare_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: 
                      keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
     """``actquant`` of x2d [M, in] (checked by the caller; any strides) and, with ``keep``, its
     launches prepared to run again (``common.Prepared``, slots ``BF16_SLOTS`` or ``ABSMAX_SLOTS``
-    and ``QUANTIZE_SLOTS``), else None. x2d must have unit column stride for them to apply
+    and ``QUANTIZE_SLOTS``), else (or where a launch keeps nothing, ``common.prepare``) None. x2d must have unit column stride for them to apply
     again: callers key on it."""
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
@@ -186,20 +186,15 @@ def prepare_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: 
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fp8:
         args = (x2d, qw.sv, h, out, m, k, x2d.stride(0), out.stride(0))
-        if not keep:
-            launch(transform_bf16_kernel, grid, *args, **settings)
-            return out, None, None
-        return out, None, (prepare(transform_bf16_kernel, grid, *args, slots=BF16_SLOTS, **settings),)
-    part = partial_amax_workspace(x2d.device, m, nkb)
-    args1 = (x2d, qw.sv, h, part, m, k, x2d.stride(0))
-    args2 = (x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0))
-    settings2 = dict(settings, NKB_P2=triton.next_power_of_2(nkb))
-    if not keep:
-        launch(absmax_kernel, grid, *args1, **settings)
-        launch(quantize_kernel, grid, *args2, **settings2)
-        return out, xscale, None
-    return out, xscale, (prepare(absmax_kernel, grid, *args1, slots=ABSMAX_SLOTS, **settings),
-                         prepare(quantize_kernel, grid, *args2, slots=QUANTIZE_SLOTS, **settings2))
+        plans = (prepare(transform_bf16_kernel, grid, *args, slots=BF16_SLOTS if keep else None, **settings),)
+    else:
+        part = partial_amax_workspace(x2d.device, m, nkb)
+        args1 = (x2d, qw.sv, h, part, m, k, x2d.stride(0))
+        args2 = (x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0))
+        plans = (prepare(absmax_kernel, grid, *args1, slots=ABSMAX_SLOTS if keep else None, **settings),
+                 prepare(quantize_kernel, grid, *args2, slots=QUANTIZE_SLOTS if keep else None,
+                         NKB_P2=triton.next_power_of_2(nkb), **settings))
+    return out, xscale, None if None in plans else plans
 
 
 def run_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, prepared: tuple) -> tuple[torch.Tensor,

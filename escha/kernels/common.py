@@ -4,8 +4,8 @@ One place decides whether Triton runs in its CPU interpreter (``interpreted``), 
 may run inline PTX (``ptx_enabled``) and whether the kernels can run on a device at all
 (``kernels_run_on``), and whether launches may overlap their predecessor's tail
 (``dependent_launch_supported``, with ``wait_for_producer``/``release_dependents`` in the
-kernels). Every launch goes through ``launch`` (Triton's own), or ``prepare``, which also returns the
-compiled variant ready to launch again without Triton's per-call binding (``Prepared``).
+kernels). A launch an op may repeat goes through ``prepare``, Triton's own launch that also returns
+the compiled variant ready to launch again without Triton's per-call binding (``Prepared``).
 Every op checks its operands with ``check_operands``/``check_codebook``,
 rounds to narrower floats through ``round_to`` only, and builds the +-1 Hadamard matrix and the
 output row scale through ``hadamard_pm1`` and ``row_scale_block``.
@@ -211,17 +211,11 @@ def weight_plans(qw: QuantizedWeight) -> dict:
     return plans
 
 
-def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` (kernel arguments, then launch options such as num_warps
-    and launch_pdl) through Triton's own launch; returns what it returns (the compiled kernel)."""
-    return kernel[grid](*args, **kwargs)
-
-
 def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None, **kwargs) -> Prepared | None:
-    """``launch``, returning a ``Prepared`` whose ``run`` takes new values for the parameters named
-    in ``slots``, in that order; None where the caller keeps nothing (``slots`` None) or there
-    is no compiled kernel to keep (the interpreter; the offline compile check, whose tensors are
-    on the CPU)."""
+    """``kernel[grid](*args, **kwargs)`` (Triton's own launch), returning a ``Prepared`` whose
+    ``run`` takes new values for the parameters named in ``slots``, in that order; None where
+    the caller keeps nothing (``slots`` None) or there is no compiled kernel to keep (the
+    interpreter; the offline compile check, whose tensors are on the CPU)."""
     compiled = kernel[grid](*args, **kwargs)
     if slots is None or _INTERPRETED or compiled is None:
         return None
@@ -340,8 +334,8 @@ def hadamard128(x):
     uint32 over that axis of size 2, modulo 2**32, minus the element's own bits: a register move
     inside a thread, one shuffle across lanes) and forms p + y on the low element of the pair and
     p - y on the high one: one rounding each, the textbook butterfly. (An xor of the pair, via
-    ``tl.xor_sum``, compiles the same but is a per-element Python loop in the CPU interpreter.) Products with +-1 are
-    exact, so the only rounding is the fp32 adds (7 a result). On sm_90a with a 16-byte-aligned
+    ``tl.xor_sum``, compiles the same but is a per-element Python loop in the CPU interpreter.)
+    Products with +-1 are exact, so the only rounding is the fp32 adds (7 a result). On sm_90a with a 16-byte-aligned
     [R, 128] tile and 4 warps it compiles to 7 operations per element and, from R = 4, no shared
     memory (offline SASS census in docs/KERNELS.md, "Transforms in registers").
     """

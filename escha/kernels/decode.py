@@ -29,7 +29,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
 from ..norm import HeadNorm, RowNorm
 from .codec import CodecPath, codec_path, decode_block
-from .common import (INV_SQRT_HAD, check_codebook, check_operands, hadamard_pm1, launch, output_tensor, round_to,
+from .common import (INV_SQRT_HAD, check_codebook, check_operands, hadamard_pm1, output_tensor, round_to,
                      row_scale_block)
 from .splitk import decode_split_k
 from .transforms import hadamard_input, hadamard_output
@@ -152,12 +152,12 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeConfig | None, o
     y = output_tensor(x, m, qw.out_features, out)
     ws = y if fuse else torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
     grid = (np_ // cfg.block_n, split)
-    kernel = launch(_decode_kernel, grid, xq, qw.trellis, ws, y, qw.scale, qw.su, qw.gscale, inv,
-                    m, qw.out_features, np_, kp, kp // TILE, nkb, y.stride(0),
-                    STEPS=triton.cdiv(nkb, split), BITS=qw.bits, BN=cfg.block_n,
-                    BKT=cfg.block_kt, BM=cfg.block_m, SPLIT=split, FUSE_OUTPUT=fuse,
-                    USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=ablation,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = _decode_kernel[grid](xq, qw.trellis, ws, y, qw.scale, qw.su, qw.gscale, inv,
+                                  m, qw.out_features, np_, kp, kp // TILE, nkb, y.stride(0),
+                                  STEPS=triton.cdiv(nkb, split), BITS=qw.bits, BN=cfg.block_n,
+                                  BKT=cfg.block_kt, BM=cfg.block_m, SPLIT=split, FUSE_OUTPUT=fuse,
+                                  USE_PTX=cfg.codec == CodecPath.PTX, ABLATION=ablation,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fuse:
         hadamard_output(ws, qw, inv, y, head_norm=head_norm)
     return y.reshape(*x.shape[:-1], qw.out_features), kernel

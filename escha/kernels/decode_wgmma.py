@@ -48,7 +48,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
-                     interpreted, launch, output_tensor, prepare)
+                     interpreted, output_tensor, prepare)
 from .transforms import prepare_input, prepare_output
 from .triton_compat import tma_async_load
 
@@ -382,8 +382,7 @@ def decoded_fragments(qw: QuantizedWeight, words: torch.Tensor | None = None) ->
     np_, kp = qw.padded_shape
     words = pack_words(qw) if words is None else words
     out = torch.empty((np_, kp), dtype=torch.float16, device=qw.device)
-    launch(_fragment_kernel, (np_ // FRAGMENT_ROWS, kp // BLOCK_K), words, out, kp // BLOCK_K, BITS=qw.bits,
-           num_warps=4)
+    _fragment_kernel[(np_ // FRAGMENT_ROWS, kp // BLOCK_K)](words, out, kp // BLOCK_K, BITS=qw.bits, num_warps=4)
     return out
 
 

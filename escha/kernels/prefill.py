@@ -22,8 +22,8 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
 from .actquant import actquant
 from .codec import CodecPath, codec_path, state_values
-from .common import (ACTIVATION_DTYPES, CORE_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands, dot_dtype,
-                     hadamard_pm1, launch, round_to, row_scale_block)
+from .common import (ACTIVATION_DTYPES, CORE_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands,
+                     dot_dtype, hadamard_pm1, round_to, row_scale_block)
 
 BLOCK_N = HAD_BLOCK  # the epilogue transforms whole Hadamard blocks
 BLOCK_K = 64  # one k step: 4 trellis tiles (128 spilled: see the note at the end)
@@ -142,11 +142,11 @@ def prefill(x: torch.Tensor, qw: QuantizedWeight, *, config: PrefillConfig | Non
         grid = (triton.cdiv(m, cfg.block_m) * (np_ // BLOCK_N),)
         # Kp and KT are compile-time constants: constant loop bounds and folded tile strides, one
         # specialization per weight width.
-        launch(prefill_kernel, grid, xq, xscale, qw.trellis, qw.su, qw.scale, qw.gscale, y, m, qw.out_features,
-               xq.stride(0), y.stride(0), Kp=kp, KT=kp // TILE, BITS=qw.bits, BM=cfg.block_m,
-               BN=BLOCK_N, BK=BLOCK_K, EPI_DTYPE=dot_dtype(torch.bfloat16),
-               USE_PTX=cfg.codec == CodecPath.PTX,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        prefill_kernel[grid](xq, xscale, qw.trellis, qw.su, qw.scale, qw.gscale, y, m, qw.out_features,
+                             xq.stride(0), y.stride(0), Kp=kp, KT=kp // TILE, BITS=qw.bits, BM=cfg.block_m,
+                             BN=BLOCK_N, BK=BLOCK_K, EPI_DTYPE=dot_dtype(torch.bfloat16),
+                             USE_PTX=cfg.codec == CodecPath.PTX,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 # Configuration note. BN = 128 so a program holds whole Hadamard blocks for the fused epilogue.

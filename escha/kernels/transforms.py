@@ -23,7 +23,8 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
 from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard128, hadamard_operand,
-                     interpreted, load_hadamard, prepare, release_dependents, round_to, row_scale_block, wait_for_producer)
+                     interpreted, load_hadamard, prepare, release_dependents, round_to, row_scale_block,
+                     wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
 INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
@@ -224,7 +225,8 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
     if head_norm is not None and (head_norm.weight.shape[0] != np_ or not head_norm.fusable(out)):
-        raise ValueError(f"head norm: weight must be contiguous {out.dtype} [{np_}] and blocks int8 [{np_ // HAD_BLOCK}]")
+        raise ValueError(f"head norm: weight must be contiguous {out.dtype} [{np_}] and blocks int8 "
+                         f"[{np_ // HAD_BLOCK}]")
     bm = min(16, triton.next_power_of_2(m))  # tokens a program: no padded rows at few tokens
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)

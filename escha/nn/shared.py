@@ -50,11 +50,8 @@ class SharedInput:
 
     def _buffer_key(self, versions: bool = True) -> tuple:
         # Identity and version of every member buffer: a move (.to) or an in-place load changes it.
-        # (write_count's own checks once, not per buffer: this runs on every shared product.)
-        bufs = [m._buffers[n] for m in self.members for n in TENSOR_NAMES]
-        if not versions or torch.compiler.is_compiling():
-            return tuple((id(t), None) for t in bufs)
-        return tuple((id(t), None if t.is_inference() else t._version) for t in bufs)
+        return tuple((id(t), write_count(t) if versions else None)
+                     for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
 
     def _build(self) -> None:
         """Stack the members' weights; each member then holds views of the stack."""

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.common import launch
 from .viterbi import EXCLUDED, Trellis
 
 # Steps fused per launch for each K: K*D state bits per core group in registers.
@@ -117,14 +116,14 @@ def viterbi_triton(x: torch.Tensor, values: torch.Tensor, trellis: Trellis,
         s = 1 << (k * d)
         c = min(max(cfg.program_states // s, 1), 1 << (big_l - k * d))
         grid = (t_count, (1 << (big_l - k * d)) // c)
-        launch(_dp_chunk_kernel, grid, cost, other, bp, x, table16, t0, t_count, n,
-               BITS=k, D=d, C=c, L=big_l, num_warps=cfg.num_warps)
+        _dp_chunk_kernel[grid](cost, other, bp, x, table16, t0, t_count, n,
+                               BITS=k, D=d, C=c, L=big_l, num_warps=cfg.num_warps)
         cost, other = other, cost
     if overlap is not None:
         cost = torch.where((states_all[None, :] & trellis.overlap_mask) == overlap[:, None], cost, EXCLUDED)
     best, last = cost.min(dim=1)
     states = torch.empty((t_count, n), dtype=torch.int32, device=x.device)
     block = 128
-    launch(_traceback_kernel, (triton.cdiv(t_count, block),), last.to(torch.int32).contiguous(), bp, states,
-            t_count, n, BITS=k, L=big_l, BLOCK=block)
+    _traceback_kernel[(triton.cdiv(t_count, block),)](last.to(torch.int32).contiguous(), bp, states,
+                                                       t_count, n, BITS=k, L=big_l, BLOCK=block)
     return states.to(torch.int64), best
