@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ms", default="1,8,16,40,64,128,256")
     ap.add_argument("--shapes", default="gate_up,down")
-    ap.add_argument("--variants", action="store_true", help="also time fragments x split variants")
+    ap.add_argument("--variants", action="store_true", help="also time fragments x grid variants")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
     args = ap.parse_args()
@@ -124,17 +124,22 @@ def main() -> int:
                     # below) against "wgmma_plain" is what launching them back to back costs.
                     plain = dataclasses.replace(cfg, dependent_launch=False, early_start=False)
                     xq, inv = hadamard_input(xs[0], ws[0], mma_order=True)
-                    zs = gemm_partials(xq, ws[0], plain)
+                    zs, counts = gemm_partials(xq, ws[0], plain)
                     y = torch.empty(m, out_f, device="cuda", dtype=torch.bfloat16)
                     arms["part_input"] = (lambda i: hadamard_input(xs[i % 2], ws[i], mma_order=True), len(ws))
                     arms["part_gemm"] = (lambda i: gemm_partials(xq, ws[i], plain), len(ws))
-                    arms["part_output"] = (lambda i: hadamard_output(zs, ws[i], inv, y), len(ws))
+                    arms["part_output"] = (lambda i: hadamard_output(zs, ws[i], inv, y, segments=counts), len(ws))
                 if args.variants:
-                    for fr in ((1, 2) if cfg.block_tokens <= 64 else (1,)):  # 2 fragments x 128 tokens: 254 registers
-                        for sp in (1, 2, 3, 4, 6, 8):
-                            c2 = dataclasses.replace(cfg, split=sp, fragments=fr)
-                            if c2 != cfg:
-                                arms[f"f{fr}s{sp}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
+                    # Grids of whole waves (programs = k x SMs, label wk) and of whole tiles (tiles x
+                    # slices, label ts: the k-split of whole row tiles, as before the even split).
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    tiles = ws[0].padded_shape[0] // (64 * cfg.fragments)
+                    grids = {f"w{k}": k * sms for k in (1, 2, 3, 4)}
+                    grids.update({f"t{sp}": tiles * sp for sp in (3, 6)})
+                    for label, programs in grids.items():
+                        c2 = dataclasses.replace(cfg, programs=programs)
+                        if c2 != cfg and programs <= tiles * ws[0].padded_shape[1] // 128:
+                            arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
                 times = {k: [] for k in samplers}
                 for _ in range(args.rounds):

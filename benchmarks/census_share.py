@@ -47,7 +47,7 @@ for bn, frags in VARIANTS:
     stages = 3 if bn <= 128 else 2
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
-           "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
     src = GluonASTSource(_decode_wgmma_kernel, sig,
                          constexprs={"BITS": 2, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},

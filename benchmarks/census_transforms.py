@@ -4,7 +4,7 @@
 
 Compiles, for sm_90a inside ``triton_compat.compile_only``, the input transform
 (``hadamard_input(..., mma_order=True)``, bf16 x) and the output transform (``hadamard_output``,
-the decode GEMM's rule's split, bf16 y) exactly as ``decode_wgmma`` launches them, at the seed
+the partials of the decode GEMM's rule, bf16 y) exactly as ``decode_wgmma`` launches them, at the seed
 shapes and M = 1, 16, 64, from the escha tree ``--tree`` (default: this checkout; another tree
 gives the census of another version, e.g. an older commit's ``git archive``). Per kernel: the
 warps, registers and local memory (``cuobjdump -res-usage``), the dynamic shared memory Triton
@@ -36,14 +36,16 @@ import json, sys, torch
 from escha.format import QuantizedWeight
 from escha.kernels.triton_compat import compile_only
 from escha.kernels.transforms import hadamard_input, hadamard_output
-from escha.kernels.decode_wgmma import decode_wgmma_config
+from escha.kernels.decode_wgmma import decode_wgmma_config, segment_counts
 shapes, ms = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 out = []
 for name, (n, k) in shapes.items():
     qw = QuantizedWeight.placeholder((n, k), 2)
     for m in ms:
         x = torch.zeros(m, k, dtype=torch.bfloat16)
-        split = decode_wgmma_config(qw, m, torch.device("cuda")).split
+        cfg = decode_wgmma_config(qw, m, torch.device("cuda"))
+        tiles = qw.padded_shape[0] // (64 * cfg.fragments)
+        split = max(segment_counts(cfg.programs, tiles, qw.padded_shape[1] // 128, cfg.fragments))
         z = torch.zeros(split, m, qw.padded_shape[0])
         with compile_only() as compiled:
             hadamard_input(x, qw, mma_order=True, dependent_launch=True, release_early=True)

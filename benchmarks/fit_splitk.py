@@ -9,13 +9,13 @@ escha.kernels.splitk that gets the most points exactly, ties broken by the small
 loss. Writes splitk_h200.json.
 
 decode-wgmma (the register-operand kernel): Qwen3-14B's four projection sets at tensor-parallel
-degrees 1, 2 and 4 (12 shapes), each at M in {1, 16, 64} (36 points); splits 1, 2, 3, 4, 6, 8 with
-the rule's configuration otherwise (``decode_wgmma.config_with_split``, which also gives each grid
-the start the rule would). Timing: escha.bench's method. Fit, per token block class (8-16, 32-64,
-128-256 tokens): split = the one nearest to T / (programs of one k-slice), clamped to 2..8 (one
-slice was the slowest split at all 36 points of the first sweep, splitk_wgmma_h200.json) and to
-two k-blocks a slice, with the T of least worst-case loss; compared with the rule in force.
-Writes splitk_wgmma_h200.json. ``--refit FILE`` fits a written table again, with no GPU.
+degrees 1, 2 and 4 (12 shapes), each at M in {1, 16, 64, 128} (48 points); grids of 0.5 to 3
+waves (a wave: the programs the SMs hold of the variant, ``decode_wgmma.PROGRAMS_PER_SM``) and
+the whole-tile k-splits of 3 and 6 slices, with the rule's configuration otherwise
+(``decode_wgmma.config_with_programs``). Timing: escha.bench's method. Reported per token block
+class (8-16, 32-64, 128-256 tokens): the rule's (one wave) loss against the best grid, and
+which grids were best. Writes splitk_wgmma_h200.json. ``--refit FILE`` reports a written table
+again, with no GPU.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from escha.bench.cuda_timing import GraphTimer  # noqa: E402
 from escha.bench.method import Spread, rotation_buffers, round_order  # noqa: E402
 from escha.format import QuantizedWeight, random_qweight  # noqa: E402
 from escha.kernels import SplitKRule, decode, decode_config, decode_split_k  # noqa: E402
-from escha.kernels.decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, config_with_split, decode_wgmma,  # noqa: E402
-                                        decode_wgmma_config)
+from escha.kernels.decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, PROGRAMS_PER_SM, config_with_programs,  # noqa: E402
+                                        decode_wgmma, decode_wgmma_config)
 
 POINTS = [(34816, 5120), (17408, 5120), (8704, 5120), (5120, 17408), (5120, 8704), (5120, 4352)]
 MS = (8, 40, 64)
@@ -63,58 +63,47 @@ def fit(table: list[dict]) -> dict:
 # Qwen3-14B's projections at TP = 1, 2, 4: [q | k | v] and [gate | up] split by rows, o and down by columns.
 WGMMA_POINTS = [shape for t in (1, 2, 4) for shape in
                 ((7168 // t, 5120), (5120, 5120 // t), (34816 // t, 5120), (5120, 17408 // t))]
-WGMMA_MS = (1, 16, 64)
-WGMMA_SPLITS = (1, 2, 3, 4, 6, 8)
-TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
+WGMMA_MS = (1, 16, 64, 128)
+WAVES = (0.5, 1, 1.5, 2, 3)  # grids swept: these multiples of one wave (the programs the SMs hold)
 
 
-def wgmma_split_for(row_programs: int, kblocks: int, target: float) -> int:
-    """The split nearest to ``target`` programs over ``row_programs`` programs of one k-slice,
-    clamped to 2..8 and to at least two k-blocks a slice."""
-    s = max(2, min(8, round(target / row_programs)))
-    return max(1, min(s, kblocks // 2))
+def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
+    """The program counts swept at a point: multiples of one wave ("w1" is the rule's choice
+    wherever no other bound applies) and the k-split of whole row tiles in 3 and 6 slices ("t3",
+    "t6": the grids of the kernel before the even split), each within 1..steps."""
+    rule = decode_wgmma_config(qw, m, torch.device("cuda"))
+    np_, kp = qw.padded_shape
+    tiles = np_ // (FRAGMENT_ROWS * rule.fragments)
+    steps = tiles * (kp // BLOCK_K)
+    wave = PROGRAMS_PER_SM[(qw.bits, rule.block_tokens)] * sms // -(-m // rule.block_tokens)
+    grids = {f"w{w:g}": max(1, round(w * wave)) for w in WAVES}
+    grids.update({"t3": 3 * tiles, "t6": 6 * tiles, "rule": rule.programs})
+    return {k: v for k, v in grids.items() if v <= steps}
 
 
 def fit_wgmma(table: list[dict]) -> dict:
-    """Per token class, the target of least worst-case loss (ties: mean loss) over the measured splits."""
+    """The rule's loss against the best grid measured at each point, and how often each grid was
+    the best, per token class."""
     out = {}
     for lo, hi in TOKEN_CLASSES:
         pts = [p for p in table if lo <= p["block_tokens"] <= hi]
         if not pts:
             continue
-        best = None
-        for target in range(33, 132 * 16 + 1, 33):
-            losses = []
-            for p in pts:
-                s = wgmma_split_for(p["row_programs"], p["kblocks"], target)
-                losses.append(nearest_loss(p, s))
-            key = (max(losses), sum(losses) / len(losses))
-            if best is None or key < best[0]:
-                best = (key, target)
-        (worst, mean), target = best
-        swept = [p["us"][str(p["rule"])] / min(p["us"].values()) - 1 for p in pts]
-        now = [nearest_loss(p, rule_split(p)) for p in pts]
-        out[f"{lo}-{hi}"] = {"target_programs": target, "worst_loss": worst, "mean_loss": mean,
-                             "rule_in_force_worst_loss": max(swept), "rule_now_worst_loss": max(now),
-                             "rule_now_mean_loss": sum(now) / len(now), "points": len(pts)}
+        loss = [p["us"]["rule"] / min(p["us"].values()) - 1 for p in pts]
+        wins: dict[str, int] = {}
+        for p in pts:
+            best = min(p["us"], key=p["us"].get)
+            wins[best] = wins.get(best, 0) + 1
+        out[f"{lo}-{hi}"] = {"rule_worst_loss": max(loss), "rule_mean_loss": sum(loss) / len(loss),
+                             "best_grid_counts": wins, "points": len(pts)}
     return out
 
 
-def nearest_loss(p: dict, split: int) -> float:
-    """A point's loss at ``split`` (the nearest measured split) against its best split."""
-    s = min(p["us"], key=lambda k: abs(int(k) - split))
-    return p["us"][s] / min(p["us"].values()) - 1
-
-
-def rule_split(p: dict) -> int:
-    """The split that escha's rule gives a table point now (132 SMs, as the H200)."""
-    qw = QuantizedWeight.placeholder((p["N"], p["K"]), 2, device="meta")
-    return decode_wgmma_config(qw, p["M"], torch.device("cuda")).split
+TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
 
 
 def sweep_wgmma(args) -> None:
     info = env_info()
-    cuda = torch.device("cuda")
     timer = GraphTimer(replays=10)
     table = []
     for n, k in WGMMA_POINTS:
@@ -122,24 +111,21 @@ def sweep_wgmma(args) -> None:
         qws = [random_qweight(n, k, 2, seed=100 + i, device="cuda") for i in range(count)]
         for m in WGMMA_MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            rule = decode_wgmma_config(qws[0], m, cuda)
-            kblocks = qws[0].padded_shape[1] // BLOCK_K
-            splits = sorted({s for s in WGMMA_SPLITS if s <= kblocks} | {rule.split})
-            cfgs = {str(s): config_with_split(qws[0], m, s, cuda) for s in splits}
-            samplers = {s: timer.build(lambda i, c=c: decode_wgmma(x, qws[i], config=c), len(qws), s)
-                        for s, c in cfgs.items()}
+            grids = wgmma_grids(qws[0], m, info["sms"])
+            cfgs = {g: config_with_programs(qws[0], m, v, torch.device("cuda")) for g, v in grids.items()}
+            samplers = {g: timer.build(lambda i, c=c, q=qws: decode_wgmma(x, q[i], config=c), len(qws), g)
+                        for g, c in cfgs.items()}
             names = list(samplers)
-            samples = {s: [] for s in names}
+            samples = {g: [] for g in names}
             for r in range(args.rounds):
                 for i in round_order(len(names), r):
                     samples[names[i]].append(samplers[names[i]].sample())
-            us = {s: Spread.of(v).median for s, v in samples.items()}
-            row_programs = qws[0].padded_shape[0] // (FRAGMENT_ROWS * rule.fragments) * -(-m // rule.block_tokens)
-            p = {"N": n, "K": k, "M": m, "block_tokens": rule.block_tokens, "row_programs": row_programs,
-                 "kblocks": kblocks, "us": us, "best": int(min(us, key=us.get)), "rule": rule.split}
+            us = {g: Spread.of(v).median for g, v in samples.items()}
+            p = {"N": n, "K": k, "M": m, "block_tokens": cfgs["rule"].block_tokens, "programs": grids, "us": us,
+                 "best": min(us, key=us.get)}
             table.append(p)
-            print(f"N={n:6d} K={k:6d} M={m:3d} rule={rule.split} best={p['best']} "
-                  + " ".join(f"s{s}={v:.1f}" for s, v in us.items()), flush=True)
+            print(f"N={n:6d} K={k:6d} M={m:3d} best={p['best']} "
+                  + " ".join(f"{g}({grids[g]})={v:.1f}" for g, v in us.items()), flush=True)
             del samplers
         del qws
         torch.cuda.empty_cache()
@@ -151,10 +137,8 @@ def sweep_wgmma(args) -> None:
 
 def report_wgmma(res: dict) -> None:
     for cls, r in res.items():
-        print(f"tokens {cls}: split ~ {r['target_programs']} / programs of one slice: worst loss "
-              f"{100 * r['worst_loss']:.1f}% (rule swept {100 * r['rule_in_force_worst_loss']:.1f}%, "
-              f"rule now {100 * r['rule_now_worst_loss']:.1f}% worst, {100 * r['rule_now_mean_loss']:.1f}% mean), "
-              f"{r['points']} points")
+        print(f"tokens {cls}: the rule's loss against the best grid: worst {100 * r['rule_worst_loss']:.1f}%, "
+              f"mean {100 * r['rule_mean_loss']:.1f}% over {r['points']} points; best grids {r['best_grid_counts']}")
 
 
 def main() -> None:

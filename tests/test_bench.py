@@ -455,29 +455,26 @@ def test_fit_core_m_per_kblock():
 
 # -- benchmarks/fit_splitk.py --------------------------------------------------------------------
 def test_fit_splitk_for_the_register_operand_kernel():
-    """The split rule's fit, per token class: the target of least worst-case loss over the
-    measured splits (the nearest measured one when the rule's split was not timed)."""
+    """The grid sweep of the register-operand kernel: the grids swept at a point (multiples of one
+    wave, the whole-tile splits, the rule's), and the report of the rule's loss against the best
+    grid per token class."""
+    from escha.format import QuantizedWeight
     fit = _script("fit_splitk")
     assert len(fit.WGMMA_POINTS) == 12 and len(fit.WGMMA_MS) * len(fit.WGMMA_POINTS) >= 18
-    assert [fit.wgmma_split_for(56, 40, t) for t in (10, 112, 336, 2000)] == [2, 2, 6, 8]
-    assert fit.wgmma_split_for(56, 6, 336) == 3  # at least two k-blocks a slice
-    table = [  # two small-token points best at about 112 programs (2 x 56, 4 x 28), where the
-        # rule in force takes 6 slices; a 64-token point best at the rule's 4
-        {"N": 7168, "K": 5120, "M": 8, "block_tokens": 8, "row_programs": 56, "kblocks": 40,
-         "us": {"2": 20.0, "4": 22.0, "6": 25.0}, "rule": 6},
-        {"N": 3584, "K": 5120, "M": 16, "block_tokens": 16, "row_programs": 28, "kblocks": 40,
-         "us": {"2": 33.0, "4": 30.0, "6": 31.0}, "rule": 6},
-        {"N": 17408, "K": 5120, "M": 64, "block_tokens": 64, "row_programs": 136, "kblocks": 40,
-         "us": {"2": 60.0, "4": 50.0, "6": 55.0}, "rule": 4}]
+    gate_up = QuantizedWeight.placeholder((17408, 5120), 2, device="meta")
+    grids = fit.wgmma_grids(gate_up, 16, 132)  # 4 programs an SM at 16 tokens: a wave is 528
+    assert grids == {"w0.5": 264, "w1": 528, "w1.5": 792, "w2": 1056, "w3": 1584, "t3": 408, "t6": 816, "rule": 528}
+    small = QuantizedWeight.placeholder((256, 256), 2, device="meta")  # 2 tiles x 2 k-blocks: 4 steps
+    assert fit.wgmma_grids(small, 8, 132) == {"rule": 2}
+    table = [  # the rule best at one point, 10% behind the best at the other; a 64-token point
+        {"N": 7168, "K": 5120, "M": 8, "block_tokens": 8, "us": {"w1": 20.0, "w2": 22.0, "t6": 25.0, "rule": 20.0}},
+        {"N": 3584, "K": 5120, "M": 16, "block_tokens": 16, "us": {"w1": 33.0, "w2": 30.0, "rule": 33.0}},
+        {"N": 17408, "K": 5120, "M": 64, "block_tokens": 64, "us": {"w1": 50.0, "t3": 60.0, "rule": 50.0}}]
     res = fit.fit_wgmma(table)
     assert set(res) == {"8-16", "32-64"}
-    small = res["8-16"]
-    assert small["worst_loss"] == 0.0 and small["rule_in_force_worst_loss"] == pytest.approx(0.25)
-    assert [fit.wgmma_split_for(p, 40, small["target_programs"]) for p in (56, 28)] == [2, 4]
-    assert res["32-64"]["worst_loss"] == 0.0 and res["32-64"]["rule_in_force_worst_loss"] == 0.0
-    # The rule now in escha (evaluated on the table's shapes): 6 slices below 32 tokens, 4 for
-    # 136 row programs at 64 tokens (4 programs per SM).
-    assert small["rule_now_worst_loss"] == pytest.approx(0.25) and res["32-64"]["rule_now_worst_loss"] == 0.0
+    assert res["8-16"]["rule_worst_loss"] == pytest.approx(0.1) and res["8-16"]["rule_mean_loss"] == pytest.approx(0.05)
+    assert res["8-16"]["best_grid_counts"] == {"w1": 1, "w2": 1}
+    assert res["32-64"]["rule_worst_loss"] == 0.0 and res["32-64"]["points"] == 1
 
 
 # -- benchmarks/bench_shared.py -----------------------------------------------------------------

@@ -82,15 +82,56 @@ def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
     assert torch.equal(order // 32, t)  # lane t's columns are tiles 2t and 2t + 1
 
 
-@pytest.mark.parametrize("shape,m,early", [((17408, 5120), 16, True), ((17408, 5120), 64, True),
-                                           ((5120, 8704), 8, False), ((5120, 8704), 16, False),
-                                           ((5120, 8704), 64, False), ((5120, 8704), 128, True),
-                                           ((4096, 14336), 64, False)])
-def test_rule_starts_the_gemm_early_only_where_measured_faster(shape, m, early):
-    """The H200 sweeps (module note): an early start loses up to 1.6x where the grid is small and
-    its programs carry two fragments, at any token count, and wins elsewhere."""
+@pytest.mark.parametrize("shape,m,programs", [((17408, 5120), 1, 528), ((17408, 5120), 64, 264),
+                                              ((17408, 5120), 128, 264), ((5120, 8704), 16, 528),
+                                              ((4096, 14336), 256, 132), ((4096, 14336), 300, 66),
+                                              ((6144, 4096), 8, 528), ((256, 256), 8, 2)])
+def test_rule_is_one_wave_started_early(shape, m, programs):
+    """The H200 runs (module note): one wave of programs, as many as an SM holds of the rule's
+    variant times 132 SMs, shared among the token blocks (two at 300 tokens), at least two
+    k-blocks each (a 256 x 256 weight has 4 steps: two programs); the GEMM starts with the input
+    transform."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
-    assert cfg.dependent_launch and cfg.early_start is early
+    assert cfg.programs == programs and cfg.dependent_launch and cfg.early_start
+
+
+def _kernel_partition(programs: int, tiles: int, kblocks: int):
+    """The GEMM kernel's integer arithmetic restated: for each program, its steps and, at each
+    store, (tile, segment)."""
+    steps = tiles * kblocks
+    for p in range(programs):
+        s0 = p * steps // programs
+        n = (p + 1) * steps // programs - s0
+        stores = []
+        for i in range(n):
+            tile, kb = divmod(s0 + i, kblocks)
+            if kb == kblocks - 1 or i == n - 1:
+                stores.append((tile, p - ((tile * kblocks + 1) * programs + steps - 1) // steps + 1))
+        yield p, range(s0, s0 + n), stores
+
+
+@pytest.mark.parametrize("programs,tiles,kblocks", [(528, 136, 40), (528, 40, 68), (264, 272, 40), (7, 3, 5),
+                                                    (5, 5, 1), (1, 4, 9), (36, 4, 9), (132, 64, 112)])
+def test_even_split_partition(programs, tiles, kblocks):
+    """Every step is taken once, program lengths differ by at most one, and each tile's parts are
+    stored as segments 0, 1, ... in program order, as many as segment_counts says (what the output
+    transform sums): checked against a walk over the programs' step ranges."""
+    taken, lengths, written = [], [], {}
+    owners = [[] for _ in range(tiles)]  # the programs whose steps touch each tile, in order
+    for p, steps, stores in _kernel_partition(programs, tiles, kblocks):
+        taken += list(steps)
+        lengths.append(len(steps))
+        for t in sorted({s // kblocks for s in steps}):
+            owners[t].append(p)
+        for tile, seg in stores:
+            assert (tile, seg) not in written
+            written[(tile, seg)] = p
+    assert taken == list(range(tiles * kblocks)) and max(lengths) - min(lengths) <= 1
+    for t, progs in enumerate(owners):
+        assert [written[(t, j)] for j in range(len(progs))] == progs
+    counts = dw.segment_counts(programs, tiles, kblocks, fragments=2)
+    assert counts == [len(p) for p in owners for _ in range(2)]
+    assert len(written) == sum(counts[::2])
 
 
 def test_pair_values_identity():
@@ -114,7 +155,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from escha.kernels.decode_wgmma import x_smem_layout, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
+from escha.kernels.decode_wgmma import x_smem_layout, PROGRAMS_PER_SM, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
 
 @gluon.jit
 def layout_check(p):
@@ -126,10 +167,21 @@ def layout_check(p):
 target = GPUTarget("cuda", 90, 32)
 triton.compile(GluonASTSource(layout_check, {"p": "*fp16"}), target=target)
 out = {}
+for (bits, bn), _ in sorted(PROGRAMS_PER_SM.items()):  # the rule's variants, for their occupancy
+    frags, stages = (2, 3) if bn <= 64 else (1, 3 if bn <= 128 else 2)
+    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
+           "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
+    src = GluonASTSource(_decode_wgmma_kernel, sig,
+                         constexprs={"BITS": bits, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},
+                         attrs={(2,): [["tt.divisibility", 16]]})
+    k = triton.compile(src, target=target, options={"num_warps": 4, "launch_pdl": True})
+    out[f"res,{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex()]
 for bits, bn, frags, pdl in VARIANTS:
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
-           "M": "i32", "Np": "i32", "NKB": "i32", "KB_PER_SPLIT": "i32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
     src = GluonASTSource(_decode_wgmma_kernel, sig,
                          constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "FRAGS": frags, "PDL": pdl},
@@ -158,7 +210,31 @@ def ptx(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(int(v) for v in k.split(",")): p for k, p in json.loads(run.stdout).items()}
+    return {tuple(v if v == "res" else int(v) for v in k.split(",")): p for k, p in json.loads(run.stdout).items()}
+
+
+def _registers(cubin: bytes) -> int:
+    """Registers per thread of the kernel in a cubin (cuobjdump -res-usage, bundled with Triton)."""
+    import os
+    import subprocess
+    import tempfile
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"\bREG:(\d+)", text).group(1))
+
+
+@pytest.mark.parametrize("bits,bn", sorted(dw.PROGRAMS_PER_SM))
+def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn):
+    """The rule's wave (PROGRAMS_PER_SM) is what an sm_90 SM holds of the compiled variant: 64K
+    registers (allocated 8 a thread at a time, 128 threads a program) and 228 KB of shared
+    memory (1 KB of it reserved a program). A kernel change that costs registers shows here."""
+    shared, cubin = ptx[("res", bits, bn)]
+    regs = -(-_registers(bytes.fromhex(cubin)) // 8) * 8
+    assert dw.PROGRAMS_PER_SM[(bits, bn)] == min(65536 // (128 * regs), 233472 // (shared + 1024))
 
 
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
@@ -178,8 +254,8 @@ def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags, pdl):
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
 def test_ptx_dependent_launch_order(ptx, bits, bn, frags, pdl):
     """With PDL only the weights' TMA copies (3 stages x fragments) come before the wait for the
-    input transform, and the output transform is released after the last MMA; without, no
-    grid-dependency instruction at all."""
+    input transform, and the output transform is released after the last MMA and the last store
+    of partials; without, no grid-dependency instruction at all."""
     ptx = ptx[(bits, bn, frags, int(pdl))]
     if not pdl:
         assert "griddepcontrol" not in ptx
@@ -188,7 +264,7 @@ def test_ptx_dependent_launch_order(ptx, bits, bn, frags, pdl):
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     assert ptx[:wait].count("cp.async.bulk.tensor") == 3 * frags
     assert "wgmma.mma_async" not in ptx[:wait] and "st.global" not in ptx[:wait]
-    assert ptx.rindex("wgmma.wait_group") < release < ptx.index("st.global")
+    assert ptx.rindex("wgmma.wait_group") < release and ptx.rindex("st.global") < release
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -110,50 +110,19 @@ def test_resolve_path_on_device(monkeypatch):
     assert resolve_path(10, other) == resolve_path(10, other, path="decode") == KernelPath.REFERENCE
 
 
-def test_gemm_starts_early_only_on_a_full_grid():
-    """The register-operand kernel's GEMM starts early (as the input transform starts) only with
-    one fragment or at least 4 programs an SM: gate_up's 816 programs at up to 16 tokens; down's
-    240, q/k/v's 288 and Llama-3-8B down's 192 start late, at one token too (an early start
-    measured 1.1-1.6x slower there, benchmarks/results/transforms_h200/)."""
-    from escha.kernels.decode_wgmma import decode_wgmma_config
+def test_wgmma_config_with_other_programs():
+    """The grid sweep's configurations (benchmarks/fit_splitk.py): the rule's but for the number
+    of programs, which must leave each at least one step."""
+    from escha.kernels.decode_wgmma import config_with_programs, decode_wgmma_config
     cuda = torch.device("cuda")  # the rule needs no GPU: a device without one counts 132 SMs
-    gate_up = QuantizedWeight.placeholder((17408, 5120), 2, device="meta")
-    starts = {shape: [decode_wgmma_config(QuantizedWeight.placeholder(shape, 2, device="meta"), m, cuda).early_start
-                      for m in (1, 8, 16, 128)]
-              for shape in ((17408, 5120), (5120, 8704), (6144, 4096), (4096, 14336))}
-    assert starts == {(17408, 5120): [True] * 4, (5120, 8704): [False, False, False, True],
-                      (6144, 4096): [False, False, False, True], (4096, 14336): [False, False, False, True]}
-    assert decode_wgmma_config(gate_up, 1, cuda).split == 6
-
-
-def test_wgmma_config_with_another_split():
-    """The split sweep's configurations: the rule's but for the split, with the start the rule
-    gives that grid (down at 16 tokens: 6 slices' 240 programs and 8's 320 start late, 17's 680,
-    at least 4 a SM, early)."""
-    from escha.kernels.decode_wgmma import config_with_split, decode_wgmma_config
-    cuda = torch.device("cuda")
     down = QuantizedWeight.placeholder((5120, 8704), 2, device="meta")
-    assert config_with_split(down, 16, None, cuda) == decode_wgmma_config(down, 16, cuda)
-    for split, early in ((6, False), (8, False), (17, True), (1, False)):
-        cfg = config_with_split(down, 16, split, cuda)
-        assert (cfg.split, cfg.early_start) == (split, early)
-        assert cfg.block_tokens == 16 and cfg.fragments == 2
-    with pytest.raises(ValueError, match="split must be 1..68"):
-        config_with_split(down, 16, 69, cuda)
-
-
-def test_wgmma_split_rule_at_32_to_64_tokens():
-    """About 231 programs (2..8 slices), or the slices (at most 4) that reach 4 programs per SM:
-    the best split at 8 of the 12 points of benchmarks/results/splitk_wgmma_h200.json at 64 tokens."""
-    from escha.kernels.decode_wgmma import decode_wgmma_config
-    cuda = torch.device("cuda")
-    want = {(7168, 5120): (4, False), (5120, 5120): (6, False), (34816, 5120): (2, True),
-            (17408, 5120): (4, True), (8704, 5120): (3, False), (1792, 5120): (8, False),
-            (5120, 1280): (5, False)}  # 10 k-blocks: at least two a slice
-    for (n, k), (split, early) in want.items():
-        for m in (33, 64):
-            cfg = decode_wgmma_config(QuantizedWeight.placeholder((n, k), 2, device="meta"), m, cuda)
-            assert (cfg.split, cfg.early_start) == (split, early), (n, k, m)
+    assert config_with_programs(down, 16, None, cuda) == decode_wgmma_config(down, 16, cuda)
+    assert decode_wgmma_config(down, 16, cuda).programs == 4 * 132
+    for programs in (1, 132, 2720):
+        cfg = config_with_programs(down, 16, programs, cuda)
+        assert cfg.programs == programs and cfg.block_tokens == 16 and cfg.fragments == 2 and cfg.early_start
+    with pytest.raises(ValueError, match="programs must be 1..2720"):
+        config_with_programs(down, 16, 2721, cuda)
 
 
 @pytest.mark.parametrize("m", [64, 65, 127, 128, 131])

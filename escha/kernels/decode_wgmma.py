@@ -25,8 +25,10 @@ Words are repacked once per weight (``pack_words``: 64 bits per tile row, 2x the
 K = 2, 1.33x at K = 3) so that a thread's words are two 16-byte shared-memory loads; TMA brings
 each step's words with its activation tile, STAGES steps ahead of their use.
 
-Output: fp32 partials [split, M, Np] for ``transforms.hadamard_output`` (sum in fixed order, Hn,
-row scales), as the portable kernel's split path; no atomics, so results are bitwise
+Work: the programs of a token block share its row tiles x k-blocks evenly (one wave, or whole
+waves, of the programs the SMs hold), each a contiguous run of steps that may cross tiles.
+Output: fp32 partials [segments, M, Np] for ``transforms.hadamard_output`` (sum in fixed order,
+Hn, row scales), as the portable kernel's split path; no atomics, so results are bitwise
 reproducible.
 """
 from __future__ import annotations
@@ -56,7 +58,6 @@ FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
 FRAGMENT_WORDS = FRAGMENT_ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per 16 weights -> 1024
 MAX_TOKENS = 256  # wgmma N
-SPLIT_TARGET_PROGRAMS = 231  # 32..64 tokens: benchmarks/fit_splitk.py's fit (note at the end)
 HOPPER_SMS = 132  # SMs of an H100 SXM / H200, for the rule when no device is given
 SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
 # A fragment's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
@@ -273,25 +274,41 @@ def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.const
 
 
 @gluon.jit
-def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
+def _word_row(step, NKB, f: gl.constexpr, FRAGS: gl.constexpr):
+    """First row (of the [-1, 128] int32 view of pack_words) of fragment ``f`` of the program's
+    row tile at flat step ``step`` = tile * NKB + k-block: 16 rows per 128-row block and k-block."""
+    tile = step // NKB
+    frag = tile * FRAGS + f
+    return (((frag // 2) * NKB + step - tile * NKB) * 2 + frag % 2) * 8
+
+
+@gluon.jit
+def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
                          PDL: gl.constexpr):
-    """Program (row block, split slice, token block): z^T[64 FRAGS rows, BN tokens] over its k-blocks.
+    """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
+    token block's STEPS = row tiles x NKB steps (flat index tile * NKB + k-block; a tile is 64
+    FRAGS weight rows), each z^T[64 FRAGS rows, BN tokens] += T_blk x'^T_blk.
+
+    Every program gets the same number of steps (to one), so no SM waits on a tail of programs
+    (an even split, not a split of whole tiles). A tile's k-range is cut among consecutive
+    programs; program p writes its part of tile r as segment p - first_program(r) of the fp32
+    partials [segments, M, Np], and the output transform sums each tile's segments in fixed
+    order (``segment_counts``): bitwise reproducible.
 
     Each step's activation tile x' [BN, 128] and FRAGS word blocks [8, 128] arrive by TMA on one
-    mbarrier, STAGES steps ahead of their use, so the loop never waits on global memory. With
-    FRAGS = 2 the warpgroup decodes two 64-row fragments per step against the same activation
-    tile (the second decode overlaps the first fragment's MMA).
+    mbarrier, STAGES steps ahead of their use, across tile boundaries, so the loop never waits on
+    global memory. With FRAGS = 2 the warpgroup decodes two 64-row fragments per step against the
+    same activation tile (the second decode overlaps the first fragment's MMA).
 
     With PDL (programmatic dependent launch) the program starts while the input transform runs:
     it fetches its first STAGES word blocks, which no kernel writes, then waits for x'. It
     releases the output transform after its loop.
     """
-    nb = gl.program_id(0)
-    sl = gl.program_id(1)
-    tb = gl.program_id(2)
-    kb0 = sl * KB_PER_SPLIT
-    n = gl.minimum(NKB - kb0, KB_PER_SPLIT)
+    p = gl.program_id(0)
+    tb = gl.program_id(1)
+    s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)  # int64: p * STEPS can pass 2**31
+    n = (((p + 1).to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32) - s0
 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -306,55 +323,63 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, KB_PER_SPLIT,
     fence_async_shared()
 
     row0 = tb * BN
-    f0 = nb * FRAGS  # first 64-row fragment of this program
-    wrow0 = (((f0 // 2) * NKB + kb0) * 2 + f0 % 2) * 8  # word rows: 16 per 128-row block and k block
     nbytes: gl.constexpr = x_desc.block_type.nbytes + FRAGS * w_desc.block_type.nbytes
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
         for f in gl.static_range(FRAGS):
-            tma_async_load(w_desc, [wrow0 + i * 16 + f * 8, 0], bars.index(i), w_smem.index(i * FRAGS + f),
-                           pred=i < n)
+            tma_async_load(w_desc, [_word_row(s0 + i, NKB, f, FRAGS), 0], bars.index(i),
+                           w_smem.index(i * FRAGS + f), pred=i < n)
     if PDL:
         _grid_dependency(_WAIT_ASM)
     for i in gl.static_range(STAGES):
-        tma_async_load(x_desc, [row0, (kb0 + i) * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        kb = (s0 + i) % NKB
+        tma_async_load(x_desc, [row0, kb * 128], bars.index(i), x_smem.index(i), pred=i < n)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     for i in range(n):
+        step = s0 + i
+        tile = step // NKB
+        kb = step - tile * NKB
+        carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
         stage = i % STAGES
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         xs = x_smem.index(stage).permute((1, 0))
         # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
         w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
         a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
-        acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
+        acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
         if FRAGS == 2:
             w1 = w_smem.index(stage * FRAGS + 1).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
             a1 = _decode_fragment(w1, BITS, L7, A_LAYOUT)
-            acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
+            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
             acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
         else:
             acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
-        tma_async_load(x_desc, [row0, (kb0 + j) * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
+        tma_async_load(x_desc, [row0, ((s0 + j) % NKB) * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
         for f in gl.static_range(FRAGS):
-            tma_async_load(w_desc, [wrow0 + j * 16 + f * 8, 0], bars.index(stage),
+            tma_async_load(w_desc, [_word_row(s0 + j, NKB, f, FRAGS), 0], bars.index(stage),
                            w_smem.index(stage * FRAGS + f), pred=j < n)
+        if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
+            # first_program(tile): the largest q with q STEPS / PROGRAMS <= tile * NKB
+            seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
+            # int32 offsets inside the [BN, Np] slab (BN * Np < 2**31), an int64 scalar base
+            tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+            rows = tile * (64 * FRAGS) + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+            offs = tok[None, :] * Np + rows[:, None]
+            tmask = tok[None, :] < M - row0
+            base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
+            gl.store(base + offs, acc0, mask=tmask)
+            if FRAGS == 2:
+                gl.store(base + offs + 64, acc1, mask=tmask)
 
     if PDL:
         _grid_dependency(_RELEASE_ASM)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-
-    rows = f0 * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    tok = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-    ptrs = ws_ptr + (sl * M + tok[None, :]).to(gl.int64) * Np + rows[:, None]
-    gl.store(ptrs, acc0, mask=tok[None, :] < M)
-    if FRAGS == 2:
-        gl.store(ptrs + 64, acc1, mask=tok[None, :] < M)
 
 
 @gluon.jit
@@ -401,67 +426,82 @@ class DecodeWgmmaConfig:
     """Launch parameters of the register-operand decode GEMM (see ``decode_wgmma_config``)."""
 
     block_tokens: int  # wgmma N: tokens per program (power of two, 8..256)
-    split: int  # k-slices (fp32 partials reduced in fixed order)
+    programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
     stages: int  # activation buffers in the TMA ring
     fragments: int  # 64-row A fragments per program (1 or 2)
     dependent_launch: bool  # the three kernels as programmatic dependents (common.dependent_launch_supported)
     early_start: bool  # with dependent_launch: the GEMM launches as the input transform starts, not as it ends
 
 
+#: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
+#: sm_90a build of the rule's variant (tests/test_decode_wgmma.py checks it against the compiler).
+PROGRAMS_PER_SM = {(2, 8): 4, (2, 16): 4, (2, 32): 4, (2, 64): 2, (2, 128): 2, (2, 256): 1,
+                   (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 2, (3, 128): 2, (3, 256): 1}
+MIN_STEPS = 2  # k-blocks a program takes at least
+
+
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule: tokens padded to a power of two >= 8 (at most 256 per program); two fragments
     (128 rows) per program up to 64 tokens, one above (two at 128 tokens need 254 registers);
-    k-slices by token block: 6 up to 16 tokens; at 32..64 about SPLIT_TARGET_PROGRAMS programs
-    (2..8 slices), or the slices (at most 4) that give 4 programs per SM; 3 above; at least two
-    k-blocks a slice; an activation ring 3 deep where shared memory allows (2 at 256 tokens); dependent
-    launches wherever the device has them (sm_90 always does), the GEMM starting early with one
-    fragment or with at least 4 programs per SM, and late otherwise. Fitted on the H200
-    sweeps (note at the end of this module)."""
-    return config_with_split(qw, m, None, device)
+    one wave of programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the
+    token blocks, each program at least MIN_STEPS k-blocks; an activation ring 3 deep where
+    shared memory allows (2 at 256 tokens); dependent launches wherever the device has them
+    (sm_90 always does), the GEMM starting early (as the input transform starts). Measured on
+    the H200 (note at the end of this module)."""
+    return config_with_programs(qw, m, None, device)
 
 
-def config_with_split(qw: QuantizedWeight, m: int, split: int | None,
-                      device: torch.device | None = None) -> DecodeWgmmaConfig:
-    """The rule's configuration with ``split`` k-slices instead of its own (None: its own), and the
-    start the rule gives that grid: what benchmarks/fit_splitk.py sweeps."""
+def config_with_programs(qw: QuantizedWeight, m: int, programs: int | None,
+                         device: torch.device | None = None) -> DecodeWgmmaConfig:
+    """The rule's configuration with ``programs`` programs per token block instead of its own
+    (None: its own), and the start the rule gives that grid: what benchmarks/fit_splitk.py sweeps."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
-    return _config(*qw.padded_shape, m, split, device)
+    return _config(*qw.padded_shape, qw.bits, m, programs, device)
 
 
 @functools.lru_cache(maxsize=4096)
-def _config(np_: int, kp: int, m: int, split: int | None, device: torch.device | None) -> DecodeWgmmaConfig:
-    """config_with_split for a weight of padded shape (np_, kp): kept per argument set, since every
-    decode call asks for it."""
+def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
+            device: torch.device | None) -> DecodeWgmmaConfig:
+    """config_with_programs for a K=bits weight of padded shape (np_, kp): kept per argument set,
+    since every decode call asks for it."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
     stages = 3 if block_tokens <= 128 else 2
     fragments = 2 if block_tokens <= 64 else 1
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
-    row_programs = np_ // (FRAGMENT_ROWS * fragments) * triton.cdiv(m, block_tokens)
-    if split is None:
-        if block_tokens <= 16:
-            split = 6
-        elif block_tokens <= 64:
-            # About SPLIT_TARGET_PROGRAMS programs, 2..8 slices; but where at most 4 slices give
-            # 4 programs per SM (the early start's grid), that many.
-            split = min(8, max(2, round(SPLIT_TARGET_PROGRAMS / row_programs)))
-            reach = triton.cdiv(4 * sms, row_programs)
-            if reach <= 4:
-                split = max(split, reach)
-        else:
-            split = 3
-        split = max(1, min(split, kp // BLOCK_K // 2))
-    elif not 1 <= split <= kp // BLOCK_K:
-        raise ValueError(f"split must be 1..{kp // BLOCK_K} (k-blocks), got {split}")
-    # Early start costs where the GEMM's grid leaves slots free and its programs carry two
-    # fragments: up to 1.6x (note at the end of this module), at any token count since the input
-    # transform runs one program per 128-block at a few tokens.
-    programs = row_programs * split
-    early = fragments == 1 or programs >= 4 * sms
-    return DecodeWgmmaConfig(block_tokens=block_tokens, split=split, stages=stages, fragments=fragments,
+    tiles = np_ // (FRAGMENT_ROWS * fragments)
+    steps = tiles * (kp // BLOCK_K)
+    token_blocks = triton.cdiv(m, block_tokens)
+    if programs is None:  # one wave: every SM busy to the end (note at the end of this module)
+        slots = PROGRAMS_PER_SM.get((bits, block_tokens), 1) * sms
+        programs = max(1, min(steps // MIN_STEPS, triton.cdiv(slots, token_blocks)))
+    elif not 1 <= programs <= steps:
+        raise ValueError(f"programs must be 1..{steps} (row tiles x k-blocks), got {programs}")
+    return DecodeWgmmaConfig(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
-                             early_start=early)
+                             early_start=True)
+
+
+def segment_counts(programs: int, tiles: int, kblocks: int, fragments: int) -> list[int]:
+    """For each 64-row group of the weight, how many programs cut its tile's k-range when
+    ``programs`` programs share ``tiles`` x ``kblocks`` steps evenly (program p takes steps
+    [p S / programs, (p + 1) S / programs), S = tiles x kblocks): the partials it has."""
+    steps = tiles * kblocks
+
+    def program(step: int) -> int:  # the program whose steps hold ``step``
+        return -(-(step + 1) * programs // steps) - 1
+
+    return [program((r + 1) * kblocks - 1) - program(r * kblocks) + 1 for r in range(tiles) for _ in range(fragments)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _segments(programs: int, tiles: int, kblocks: int, fragments: int,
+              device: torch.device) -> tuple[torch.Tensor, int]:
+    """``segment_counts`` as the int32 tensor the output transform reads, and their largest: the
+    partials' first dimension (kept per grid)."""
+    counts = segment_counts(programs, tiles, kblocks, fragments)
+    return torch.tensor(counts, dtype=torch.int32, device=device), max(counts)
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
@@ -506,10 +546,10 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
            None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
     plan = packed.plans.get(key)
     if plan is not None:
-        split, pin, pgemm, pout = plan
+        segs, pin, pgemm, pout = plan
         xq = torch.empty((m, kp), dtype=torch.float16, device=x.device)
         inv = torch.empty((m,), dtype=torch.float32, device=x.device)
-        ws = torch.empty((split, m, np_), dtype=torch.float32, device=x.device)
+        ws = torch.empty((segs, m, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
         y = output_tensor(x, m, qw.out_features, out)
         pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
         pgemm.run(TensorDescriptor(xq, [m, kp], [kp, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
@@ -519,91 +559,64 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
                                  release_early=pdl and cfg.early_start, norm=norm)
-    ws, split, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
+    ws, counts, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
     y = output_tensor(x, m, qw.out_features, out)
-    pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm)
+    pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
     if pin is not None and pgemm is not None and pout is not None:
-        packed.plans[key] = (split, pin, pgemm, pout)
+        packed.plans[key] = (ws.shape[0], pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
-def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig) -> torch.Tensor:
-    """The GEMM kernel alone: fp32 partials z^T [split, M, Np] of x' (``hadamard_input(...,
-    mma_order=True)``'s fp16 output, [M, Kp]) against the weight's words. The middle of the
-    three launches of a call; the benchmarks also time it by itself."""
-    return _gemm(xq, qw, cfg, _packed(qw), keep=False)[0]
+def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight,
+                  cfg: DecodeWgmmaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM kernel alone: fp32 partials z^T [segments, M, Np] of x' (``hadamard_input(...,
+    mma_order=True)``'s fp16 output, [M, Kp]) against the weight's words, and how many of them
+    each 64-row group has (``hadamard_output``'s ``segments``; the others are left unwritten).
+    The middle of the three launches of a call; the benchmarks also time it by itself."""
+    return _gemm(xq, qw, cfg, _packed(qw), keep=False)[:2]
 
 
 def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed: _Packed,
-          keep: bool) -> tuple[torch.Tensor, int, Prepared | None]:
-    """Launch the GEMM through Triton: (partials, k-slices, the launch prepared when ``keep``)."""
+          keep: bool) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+    """Launch the GEMM through Triton: (partials, each 64-row group's count of them, the launch
+    prepared when ``keep``)."""
     m = xq.shape[0]
     np_, kp = qw.padded_shape
     nkb = kp // BLOCK_K
+    tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
+    programs = min(cfg.programs, tiles * nkb)
+    counts, segs = _segments(programs, tiles, nkb, cfg.fragments, xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
-    kb_per = triton.cdiv(nkb, min(cfg.split, nkb))
-    split = triton.cdiv(nkb, kb_per)
-    ws = torch.empty((split, m, np_), dtype=torch.float32, device=xq.device)
-    grid = (np_ // (FRAGMENT_ROWS * cfg.fragments), split, triton.cdiv(m, cfg.block_tokens))
-    args = (x_desc, packed.desc, ws, m, np_, nkb, kb_per)
+    ws = torch.empty((segs, m, np_), dtype=torch.float32, device=xq.device)
+    grid = (programs, triton.cdiv(m, cfg.block_tokens))
+    args = (x_desc, packed.desc, ws, m, np_, nkb, tiles * nkb, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
                     PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch)
-    return ws, split, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr") if keep else None,
-                              **settings)
+    return ws, counts, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr") if keep else None,
+                             **settings)
 
 
 # -- Why the configuration is what it is ---------------------------------------------------------
 # Measured on one H200 (torch 2.11+cu130, triton 3.6.0), CUDA graphs, weights rotated over >= 4x
-# L2, median of 3 interleaved rounds: benchmarks/results/decode_wgmma_h200_sweep.{log,json}
-# (fragments 1/2 x split 1..8, M = 1, 8, 16, 64, 128, 256, gate_up 17408x5120 / down 5120x8704).
-# Microseconds, best arm and the rule's choice:
-#   M=1    gate_up 2 frags split 6: 43.3   down 2 frags split 6: 28.6   (rule: the same)
-#   M=8    gate_up 2/6: 44.6               down 2/6: 29.7               (rule: the same)
-#   M=64   gate_up 2/4: 72.8               down 2/6: 46.3               (rule 2/4: 72.8 / 52.7)
-#   M=128  gate_up 1/3: 110.2              down 1/3: 62.2               (rule: the same)
-#   M=256  gate_up 1/2: 196.4              down 1/3: 110.9              (rule 1/3: 204.4 / 110.9)
-# Split 1 or 2 loses 30-100% at M <= 16 (a few programs of 4 warps per SM cannot hide the
-# decode's latencies); 8 loses up to 10% (more partials to reduce, shorter loops). Two fragments
-# share each activation tile and halve the loop's overhead per weight; at 128 tokens they need
-# 254 registers, so one fragment above 64 tokens. Stages: 3 (2 at 256 tokens, shared memory).
-# Dependent launches (benchmarks/results/decode_wgmma_h200{,_families}.{log,json}, commit bd1e02f,
-# every start timed beside plain stream order in one process; µs):
-#                       plain   early   late
-#   gate_up M=16        49.0    46.2    47.7      early wins at every gate_up M (816 / 544 programs)
-#   down    M=8         29.9    28.3    29.2      early wins at 8 tokens on every shape
-#   down    M=16        32.7    44.2    31.8      two fragments, 240 programs: early loses 1.4x
-#   down 8B M=64        59.4    95.8    59.6      128 programs: early loses 1.6x
-#   down    M=128       62.4    59.0    60.6      one fragment: early wins
-# Late never loses to plain by more than noise (down 8B M=64: 59.6 vs 59.4). Hence, then, early at 8
-# tokens, with one fragment, or with >= 4 programs per SM; late otherwise (docs/KERNELS.md).
-# Since the transforms run in registers (one input-transform program per 128-block at a few
-# tokens; benchmarks/results/transforms_h200/starts_c2cb05d.*), the early start loses at 1-8 tokens
-# too wherever the grid leaves slots free (early / late, µs): down M=1 37.0 / 25.1, M=8 38.4 / 26.3;
-# q/k/v 8B M=8 21.1 / 15.9; down 8B M=1 55.6 / 35.4; gate_up (816 programs) still wins early,
-# M=1 35.0 / 36.1. Hence early only with one fragment or >= 4 programs per SM.
-# The final numbers with this rule: benchmarks/results/decode_wgmma_h200.{log,json}.
-# Against the portable kernel (decode.py, its own rule), same files, µs, this kernel / portable:
-#   started early (every gate_up M, M <= 8 everywhere): the portable kernel takes 6-18% longer
-#     at every point (gate_up M=8 44.4 / 51.2, down M=1 27.4 / 31.8, down 8B M=1 36.4 / 38.5);
-#   started late:  down M=16 31.8 / 33.2, M=40 47.0 / 44.6, M=64 50.8 / 50.3;
-#                  qkv 8B M=16 22.8 / 22.7, M=64 30.8 / 30.3; down 8B M=16 43.1 / 39.9, M=64 59.6 / 54.7.
-# Hence, at first, preferred_over_portable: this kernel where it starts early, the portable one
-# where it starts late (worst loss 4.4%, against 9.0% when this kernel took the whole range).
-# Split refit at 32..64 tokens (benchmarks/fit_splitk.py --kernel decode-wgmma,
-# benchmarks/results/splitk_wgmma_h200.json: Qwen3-14B's projections at TP 1, 2, 4, M = 1, 16, 64,
-# splits 1..8 each with the start the rule gives its grid): the fixed 4 slices lost up to 22.7%
-# (down 5120x17408 M=64: 88.8 against 72.4 at 6); one slice was the slowest split at all 36
-# points. The best single program-count target was 231 (SPLIT_TARGET_PROGRAMS), 2..8 slices;
-# taking instead the slices (at most 4) that reach 4 programs per SM, where they exist, keeps
-# the early start on large grids (17408 rows M=64: 69.7 at 4 against 74.8 at 2). Worst loss on
-# the table 5.3%, mean 1.1% (--refit recomputes it). At 8..16 tokens the fixed 6 stays (worst
-# 7.9%; the best target fits worse, 9.5%).
-# After the refit (benchmarks/results/sweep_h200/, escha bench at 89423e7, and
-# decode_families_h200/ at 0564ae4), µs, this kernel / portable: down M=24 32.9 / 36.0, M=32
-# 33.8 / 36.9, M=48 42.5 / 44.6, M=64 44.1 / 49.7; 8B down M=32 43.8 / 44.6, 8B gate/up M=32
-# 62.5 / 74.2, Qwen3-14B o M=32 24.6 / 28.8; the portable kernel ahead at 32+ tokens only at 8B
-# down M=64 (58.3 / 53.8). At 16 tokens, late start, either way: 8B down 42.2 / 39.5, o 23.4 / 25.9.
-# Hence preferred_over_portable then also took this kernel at 32 tokens and more. With the
-# transforms in registers and the late start, this kernel beat the portable one at 11 of 12 points
-# at 1-16 tokens on four shapes (down M=1 25.1 / 28.7; the exception 8B down M=16 41.5 / 38.7), so
-# the dispatcher now takes it wherever it runs and preferred_over_portable is gone.
+# L2, median of 3 rounds, bench_decode_wgmma.py (docs/KERNELS.md, "Even split").
+# Fragments and stages (decode_wgmma_h200_sweep.*): two fragments share each activation tile and
+# halve the loop's overhead per weight; at 128 tokens they need 254 registers, so one fragment
+# above 64 tokens. Stages: 3 (2 at 256 tokens, for shared memory).
+# Grid: the kernel used to split each row tile's k-range into whole slices (tiles x split
+# programs); ncu found the last, partial wave idle (gate_up M=8: 816 programs against 528 a wave,
+# decode_wgmma_ncu_h200.txt), and an early start lost up to 1.6x on such grids. With the even
+# split every program takes the same steps (benchmarks/results/even_split_h200/run1_*; µs, the
+# programs as multiples of 132 SMs; "t6" = 6 whole-tile slices, the old grid):
+#                     132     264     396     528     t6      the kernel before (eb165e9)
+#   gate_up M=16      114.8   62.1    45.1    37.7    40.4    40.5
+#   gate_up M=128     121.3   73.3    93.0    79.1    99.9    84.7     (264 = one wave there)
+#   down    M=16      64.0    38.7    30.0    27.4    41.5    30.6
+#   down 8B M=16      82.7    48.8    38.1    33.4    61.2    41.7
+# One wave (PROGRAMS_PER_SM x SMs) was the fastest grid, or within 0.5% of it, at all 15 points of
+# run 1 (gate_up, down, 8B down; M = 1, 8, 16, 64, 128); two waves lost 8% at gate_up M=128. Against
+# the kernel before, the call was faster or equal everywhere but gate_up M=1 / 8 (35.9 / 36.6
+# against 34.8 / 36.0) and down M=64 (44.4 against 43.0, started late). Start: with
+# every SM busy to the end, the early start won at every point, also where it used to lose
+# (down M=1 25.0 against 37.2 before; M=64 gate_up / down / 8B down 53.3 / 40.9 / 52.9 early
+# against 55.5 / 44.4 / 56.0 late). Hence one wave, started early. benchmarks/fit_splitk.py
+# --kernel decode-wgmma checks the grid over Qwen3-14B's projections at TP 1, 2, 4.

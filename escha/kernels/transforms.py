@@ -15,6 +15,8 @@ so the only cost is fp16's own rounding of x' (unit roundoff 2**-11).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -167,14 +169,15 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
 
 
 @triton.jit
-def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, heps,
+def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr, heps,
                              M, N_out, Np, stride_ym,
                              SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr):
     """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
 
-    The split partials are summed in the fixed order s = 0, 1, ..., SPLIT-1, so the result is
-    bitwise reproducible. With PDL the weight's own data (H, row scales) is read while the GEMM
-    finishes; z and 2**-e only after it. With HEAD_NORM, a block flagged in ``hb`` is one attention
+    The partials are summed in the fixed order s = 0, 1, ..., so the result is bitwise
+    reproducible; rows of 64-row group r take the first seg[r] of the SPLIT partials (the GEMM
+    wrote no others there). With PDL the weight's own data (H, row scales, segment counts) is
+    read while the GEMM finishes; z and 2**-e only after it. With HEAD_NORM, a block flagged in ``hb`` is one attention
     head, normalised as the model's per-head RMSNorm does it (escha.norm.HeadNorm): the program
     holds the whole head of each of its tokens.
     """
@@ -184,10 +187,11 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
     n = nb * 128 + tl.arange(0, 128)[None, :]
     mmask = m < M
     rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
+    seg = tl.load(seg_ptr + n // 64)
     wait_for_producer(PDL)
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask, other=0.0)
+        z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask & (s < seg), other=0.0)
     # z H in fp32 butterflies (hadamard128): exact +-1 products, 7 fp32 roundings a value.
     h = hadamard128(z) * INV_SQRT_HAD
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
@@ -203,34 +207,48 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
 
 
 def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
-                    dependent_launch: bool = False, head_norm: HeadNorm | None = None) -> torch.Tensor:
+                    dependent_launch: bool = False, head_norm: HeadNorm | None = None,
+                    segments: torch.Tensor | None = None) -> torch.Tensor:
     """Sum split partials z [SPLIT, M, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
 
     ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride.
     ``dependent_launch``: launched as a programmatic dependent of the GEMM that writes z.
     ``head_norm``: the per-head RMSNorm of the flagged blocks (weight of out's dtype, heads whole
     inside the output), applied before the store.
+    ``segments``: int32 [Np/64], how many of the partials (the first ones) hold a part of each
+    64-row group; the others are not read (None: all SPLIT everywhere).
     """
-    prepare_output(z, qw, inv_scale, out, dependent_launch, head_norm, keep=False)
+    prepare_output(z, qw, inv_scale, out, dependent_launch, head_norm, segments, keep=False)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _all_segments(device: torch.device, groups: int, split: int) -> torch.Tensor:
+    """int32 [groups] of ``split``: every partial counts (kept: a product's launch reads it)."""
+    return torch.full((groups,), split, dtype=torch.int32, device=device)
 
 
 def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
                    dependent_launch: bool = False, head_norm: HeadNorm | None = None,
-                   keep: bool = True) -> Prepared | None:
+                   segments: torch.Tensor | None = None, keep: bool = True) -> Prepared | None:
     """``hadamard_output``, returning with ``keep`` its launch prepared to run again
     (``common.Prepared``; per-call tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's
     weight and flags, which are out when there is none), else None."""
     split, m, np_ = z.shape
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
+    if segments is None:
+        segments = _all_segments(z.device, np_ // 64, split)
+    elif segments.shape != (np_ // 64,) or segments.dtype != torch.int32 or segments.device != z.device:
+        raise ValueError(f"segments must be int32 [{np_ // 64}] on {z.device}, got {segments.dtype} "
+                         f"{list(segments.shape)} on {segments.device}")
     if head_norm is not None and (head_norm.weight.shape[0] != np_ or not head_norm.fusable(out)):
         raise ValueError(f"head norm: weight must be contiguous {out.dtype} [{np_}] and blocks int8 "
                          f"[{np_ // HAD_BLOCK}]")
     bm = min(16, triton.next_power_of_2(m))  # tokens a program: no padded rows at few tokens
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
-    args = (z, out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb,
+    args = (z, out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb, segments,
             0.0 if head_norm is None else head_norm.eps, m, qw.out_features, np_, out.stride(0))
     settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=4,
                     launch_pdl=dependent_launch)
