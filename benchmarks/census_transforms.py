@@ -27,7 +27,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 from bench_decode import opcode_counts, sass_instructions  # noqa: E402
 
-SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
+SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "down_8b": (4096, 14336)}
 WATCH = ("STS", "LDS", "BAR", "SHFL", "HMMA", "HGMMA", "FADD", "FFMA", "FMUL", "LDG", "STG")
 
 # Run in a child process with the tree first on the path and no interpreter.
@@ -37,10 +37,12 @@ from escha.format import QuantizedWeight
 from escha.kernels.triton_compat import compile_only
 from escha.kernels.transforms import hadamard_input, hadamard_output
 from escha.kernels.decode_wgmma import decode_wgmma_config, segment_counts
-shapes, ms = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+from escha.norm import RowNorm
+shapes, ms, norm = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 out = []
 for name, (n, k) in shapes.items():
     qw = QuantizedWeight.placeholder((n, k), 2)
+    rn = RowNorm(torch.ones(k, dtype=torch.bfloat16), 1e-5) if norm else None
     for m in ms:
         x = torch.zeros(m, k, dtype=torch.bfloat16)
         cfg = decode_wgmma_config(qw, m, torch.device("cuda"))
@@ -48,11 +50,12 @@ for name, (n, k) in shapes.items():
         split = max(segment_counts(cfg.programs, tiles, qw.padded_shape[1] // 128, cfg.fragments))
         z = torch.zeros(split, m, qw.padded_shape[0])
         with compile_only() as compiled:
-            hadamard_input(x, qw, mma_order=True, dependent_launch=True, release_early=True)
+            hadamard_input(x, qw, mma_order=True, dependent_launch=True, release_early=True, norm=rn)
             inv = torch.ones(m)
             hadamard_output(z, qw, inv, torch.zeros(m, n, dtype=torch.bfloat16), dependent_launch=True)
         for kname, kern in compiled:
-            out.append({"shape": name, "M": m, "kernel": kname, "num_warps": kern.metadata.num_warps,
+            out.append({"shape": name, "M": m, "kernel": kname + ("+norm" if norm and kname.startswith("_input") else ""),
+                        "num_warps": kern.metadata.num_warps,
                         "shared": kern.metadata.shared, "sass": kern.asm["sass"], "cubin": kern.asm["cubin"].hex()})
 json.dump(out, sys.stdout)
 """
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", default=ROOT, help="the escha tree to compile (default: this checkout)")
     ap.add_argument("--label", default="this checkout")
     ap.add_argument("--ms", default="1,16,64")
+    ap.add_argument("--shapes", default="gate_up,down", help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--norm", action="store_true", help="the input transform with the RMSNorm fused (norm=RowNorm)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         script = os.path.join(tmp, "compile_transforms_census.py")
         with open(script, "w") as f:
             f.write(_COMPILE)
-        run = subprocess.run([sys.executable, script, json.dumps(SHAPES), json.dumps(ms)], capture_output=True,
+        run = subprocess.run([sys.executable, script, json.dumps({s: SHAPES[s] for s in args.shapes.split(",")}),
+                              json.dumps(ms), json.dumps(args.norm)], capture_output=True,
                              text=True, env=env, timeout=1800, cwd=tmp)
     if run.returncode != 0:
         raise SystemExit(f"compiling the kernels failed:\n{run.stderr[-3000:]}")

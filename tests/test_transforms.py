@@ -18,7 +18,7 @@ def reference(x: torch.Tensor, qw, norm: RowNorm | None) -> torch.Tensor:
     return input_transform(x if norm is None else norm.apply(x), qw).double()
 
 
-@pytest.mark.parametrize("k", [300, 5120, 8200])  # one row load, one exact, two (8192 at a time)
+@pytest.mark.parametrize("k", [300, 5120, 8200, 16500])  # one row chunk, one exact, two (8192 at a time), three
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_hadamard_input_against_the_reference(k, dtype, with_norm):
@@ -87,32 +87,41 @@ def test_hadamard128_against_fp64(rows):
     assert ((y.cpu().double() - want).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("ch", [2, 4, 16])
-def test_input_transform_does_not_depend_on_blocks_per_program(monkeypatch, ch):
-    """Each 128-block goes through the same butterflies whichever program takes it: the output is
-    the same bits for any blocks-per-program (ragged last group included)."""
-    g = torch.Generator().manual_seed(ch)
-    qw = random_qweight(64, 2200, 2, seed=ch, device=DEV)  # 18 blocks: ragged for 4 and 16
-    x = torch.randn(2, 2200, generator=g).to(DEV, torch.bfloat16)
+@pytest.mark.parametrize("k,ch,with_norm", [(2200, 2, False), (2200, 4, True), (2200, 16, False), (2200, 32, True),
+                                             (8300, 32, True)])
+def test_input_transform_does_not_depend_on_blocks_per_program(monkeypatch, k, ch, with_norm):
+    """Each 128-block goes through the same butterflies whichever program takes it, and every
+    program computes its row's scale and norm the same way: the output is the same bits for any
+    blocks-per-program (ragged last group included; 8300 inputs: two row chunks, K not a multiple
+    of 128)."""
+    g = torch.Generator().manual_seed(ch + k)
+    qw = random_qweight(64, k, 2, seed=ch, device=DEV)  # 18 or 65 blocks: ragged for 4, 16 and 32
+    x = (torch.randn(3, k, generator=g) * torch.logspace(-3, 3, 3)[:, None]).to(DEV, torch.bfloat16)
+    norm = RowNorm((torch.rand(k, generator=g) + 0.5).to(DEV, torch.bfloat16), 1e-6) if with_norm else None
     monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks, parallel: 1)
-    one, inv1 = hadamard_input(x, qw, mma_order=True)
+    one, inv1 = hadamard_input(x, qw, mma_order=True, norm=norm)
     monkeypatch.setattr(transforms, "input_blocks_per_program", lambda m, blocks, parallel: ch)
-    many, inv = hadamard_input(x, qw, mma_order=True)
+    many, inv = hadamard_input(x, qw, mma_order=True, norm=norm)
     assert torch.equal(inv, inv1) and torch.equal(many.view(torch.int16), one.view(torch.int16))
 
 
 def test_input_blocks_per_program_rule():
-    """Compiled (parallel programs): the most blocks a program that still give INPUT_PROGRAMS
-    programs, at least one; in the CPU interpreter (programs one after another) 16."""
+    """Compiled (parallel programs): the most blocks a program (up to 32) that still give
+    INPUT_PROGRAMS programs, at least one; in the CPU interpreter (programs one after another) 16."""
     rule = transforms.input_blocks_per_program
     assert rule(1, 40) == 1
-    assert rule(16, 40) == 2  # 320 programs
-    assert rule(64, 40) == 8  # 320 programs
-    assert rule(4096, 68) == 16
+    assert rule(1, 200) == 1  # 200 programs: latency-bound, as many as there are blocks
+    assert rule(16, 40) == 4  # 160 programs
+    assert rule(64, 40) == 16  # 192 programs
+    assert rule(64, 68) == 32  # 192 programs
+    assert rule(4096, 68) == 32
     for m in (1, 3, 16, 64, 256):
-        ch = rule(m, 68)
-        assert ch == 1 or m * -(-68 // ch) >= transforms.INPUT_PROGRAMS
-        assert rule(m, 68, parallel=False) == 16
+        for blocks in (40, 68, 112):
+            ch = rule(m, blocks)
+            assert ch in (1, 2, 4, 8, 16, 32)
+            assert ch == 1 or m * -(-blocks // ch) >= transforms.INPUT_PROGRAMS
+            assert ch == 32 or m * -(-blocks // (2 * ch)) < transforms.INPUT_PROGRAMS
+            assert rule(m, blocks, parallel=False) == 16
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])  # one token a program, four, sixteen and a ragged block

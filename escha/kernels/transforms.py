@@ -62,22 +62,35 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
     m = tl.program_id(0)
     pc = tl.program_id(1)
     row = x_ptr + m.to(tl.int64) * stride_xm
+    # The program's [CH, 128] tile is loaded first: nothing it reads waits for the row's
+    # reductions, so its latency overlaps theirs.
+    b = pc * CH + tl.arange(0, CH)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    k = b * 128 + j
+    xt = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
+    sv = tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
     # Trip counts are constexpr throughout these kernels: a loop bound read from a runtime
-    # argument is not supported by the CPU interpreter with numpy >= 2.4.
+    # argument is not supported by the CPU interpreter with numpy >= 2.4. The loops are unrolled,
+    # so the row's loads do not depend on one another and are all in flight at once.
     rstd = 1.0
-    if NORM:  # Pass 0: the row's mean square (every program of the row computes the same value)
+    if NORM:  # the row's mean square (every program of the row computes the same value)
         ss = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
-        for i in range(AMAX_STEPS):
-            k = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
-            v = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
-            ss += v * v
+        for i in tl.static_range(AMAX_STEPS):
+            kr = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
+            v = tl.load(row + kr * stride_xk, mask=kr < K_in, other=0.0).to(tl.float32)
+            # The forms the rolled loop compiled to (bitwise on an H200): the first square may
+            # be fused into the sum's adds, the later ones into the accumulation.
+            if i == 0:
+                ss += v * v
+            else:
+                ss = tl.fma(v, v, ss)
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K_in + eps)
-    # Pass 1: the row's max |x| (every program of the row computes the same value).
+    # The row's max |x| (every program of the row computes the same value).
     amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
-    for i in range(AMAX_STEPS):
-        k = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
-        v = _normed(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32), nw_ptr, k, k < K_in,
-                    rstd, NORM, X_DTYPE)
+    for i in tl.static_range(AMAX_STEPS):
+        kr = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
+        v = _normed(tl.load(row + kr * stride_xk, mask=kr < K_in, other=0.0).to(tl.float32), nw_ptr, kr,
+                    kr < K_in, rstd, NORM, X_DTYPE)
         amax = tl.maximum(amax, tl.abs(v))
     a = tl.max(amax, axis=0)
     # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
@@ -87,42 +100,39 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     if pc == 0:
         tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
-    # Pass 2: CH Hadamard blocks, the rows of one [CH, 128] tile, through the butterflies of
-    # hadamard128: sign flips and +-1 products are exact, the sums fp32.
-    b = pc * CH + tl.arange(0, CH)[:, None]
-    j = tl.arange(0, 128)[None, :]
-    k = b * 128 + j
-    xs = _normed(tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32), nw_ptr, k, k < K_in,
-                 rstd, NORM, X_DTYPE)
-    xs = xs * tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
+    # CH Hadamard blocks, the rows of the tile, through the butterflies of hadamard128: sign
+    # flips and +-1 products are exact, the sums fp32.
+    xs = _normed(xt, nw_ptr, k, k < K_in, rstd, NORM, X_DTYPE) * sv
     h = (hadamard128(xs) * INV_SQRT_HAD) * scale
     if MMA_ORDER:
         # T column 16 q + c of a 128-block sits at MMA column 16 (c % 8) + 8 (q % 2) + 2 (q // 2)
-        # + c // 8 (the inverse of decode_wgmma.mma_column_order).
-        q = j // 16
-        c = j % 16
-        dst = b * 128 + 16 * (c % 8) + 8 * (q % 2) + 2 * (q // 2) + c // 8
-    else:
-        dst = k
-    tl.store(xq_ptr + m.to(tl.int64) * Kp + dst, round_to(h, tl.float16), mask=k < Kp)
+        # + c // 8 (the inverse of decode_wgmma.mma_column_order): a permutation of the column
+        # index's bits, (q2 q1 q0 c3 c2 c1 c0) -> (c2 c1 c0 q0 q2 q1 c3). The tile is permuted in
+        # registers and stored contiguously: 16-byte stores, where scattering 2-byte ones cost
+        # the kernel up to 4x its time at 64 tokens (H200).
+        h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 5, 6, 7, 3, 1, 2, 4)), [CH, 128])
+    tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float16), mask=k < Kp)
 
 
-#: Programs an input transform aims at: two a streaming multiprocessor of an H100/H200 (132).
-INPUT_PROGRAMS = 264
+#: Programs an input transform aims at: one a streaming multiprocessor of an H100/H200 (132).
+INPUT_PROGRAMS = 132
 
 
 def input_blocks_per_program(m: int, blocks: int, parallel: bool = True) -> int:
-    """Hadamard blocks one input-transform program takes (1, 2, 4, 8 or 16): where programs run in
-    ``parallel`` (compiled kernels) the most that still leave ``INPUT_PROGRAMS`` programs for M
+    """Hadamard blocks one input-transform program takes (1, 2, 4, 8, 16 or 32): where programs run
+    in ``parallel`` (compiled kernels) the most that still leave ``INPUT_PROGRAMS`` programs for M
     tokens of ``blocks`` blocks each, at least one. Every program reads its token's whole row for
     the row's max |x| (an L2 hit after the first), so fewer blocks a program means more parallel
-    programs for the same few tokens, not less work: at one token the kernel is bound by its
-    programs' latency, not by throughput. Triton's CPU interpreter runs programs one after
-    another, so there every program takes 16."""
-    ch = 16
+    programs for the same few tokens but more redundant row reads: at one token the kernel is
+    bound by its programs' latency (one block a program up to 132 blocks); from 16 tokens the
+    redundant row reads cost more than the parallelism gains (H200, one program an SM against
+    two: 8-20% faster at 16 tokens, within 5% at 64; with the norm, whose row pass is heavier,
+    14-36% faster). Triton's CPU interpreter runs programs one after another, so there every
+    program takes 16."""
+    ch = 32
     while parallel and ch > 1 and m * -(-blocks // ch) < INPUT_PROGRAMS:
         ch //= 2
-    return ch
+    return ch if parallel else 16
 
 
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
@@ -143,7 +153,8 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
-    # The row's max |x| in as few dependent loads as possible (one up to 8192 inputs).
+    # The row in chunks of up to 8192 inputs, all loaded at once (the loops are unrolled). The
+    # chunking also fixes the mean square's summation order, hence the norm's bits: keep it.
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
     args = (x2d, qw.sv, out, inv_scale, x2d if norm is None else norm.weight,
             0.0 if norm is None else norm.eps, qw.in_features, kp, x2d.stride(0), x2d.stride(1))
