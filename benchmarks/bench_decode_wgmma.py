@@ -23,8 +23,8 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments, gemm_partials,
-                                        mma_order_core, packed_words)
+from escha.kernels.decode_wgmma import (PROGRAMS_PER_SM, decode_wgmma, decode_wgmma_config, decoded_fragments,
+                                        gemm_partials, mma_order_core, packed_words)
 from escha.kernels.transforms import hadamard_input, hadamard_output
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -140,6 +140,11 @@ def main() -> int:
                         c2 = dataclasses.replace(cfg, programs=programs)
                         if c2 != cfg and programs <= tiles * ws[0].padded_shape[1] // 128:
                             arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
+                    if cfg.block_tokens == 256:  # token blocks of 128 (2 programs an SM), one wave
+                        blocks = -(-m // 128)
+                        c2 = dataclasses.replace(cfg, block_tokens=128, stages=3,
+                                                 programs=-(-PROGRAMS_PER_SM[(ws[0].bits, 128)] * sms // blocks))
+                        arms["bn128"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
                 times = {k: [] for k in samplers}
                 for _ in range(args.rounds):

@@ -39,11 +39,10 @@
 # PHASE "host":    GPU tests, then the host time of one eager escha.matmul call beside its GPU time
 #                  (benchmarks/bench_host.py, with cProfile's top functions); run "profile" after it
 #                  for the whole model eager.
-# PHASE "investigate": what the transforms-in-registers numbers left open (docs/KERNELS.md, "Next,
-#                  from these numbers"): the early and the late GEMM start of down at one token as
-#                  kernel timelines inside a CUDA graph (profile_decode.py --timeline), ncu of the
-#                  input transform at down M=64, an eager decode step's host synchronizations
-#                  (bench_e2e.py's profiled step, CUDA's sync debug mode), then memcheck on the full grid.
+# PHASE "investigate": what the even-split numbers left open (docs/KERNELS.md, "Next, from these
+#                  numbers"): ncu of the GEMM loop at gate_up M=8 and M=64 (issue slots, stalls),
+#                  an eager decode step's host synchronizations (bench_e2e.py's profiled step,
+#                  CUDA's sync debug mode), then memcheck on the full grid.
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
@@ -166,12 +165,10 @@ case "$phase" in
     step host 150 python benchmarks/bench_host.py --out "$out/host_h200.json" --profile "$out/host_profile_h200.txt"
     ;;
   investigate)
-    for start in early late; do
-      step "timeline_down_$start" 60 python benchmarks/profile_decode.py --shape down --m 1 --start "$start" \
-        --calls 8 --timeline "$out/timeline_down_m1_$start.json"
+    for m in 8 64; do
+      step "ncu_gemm_gate_up_m$m" 120 ncu --clock-control none -k regex:_decode_wgmma_kernel --launch-skip 6 \
+        --launch-count 1 --set full python benchmarks/profile_decode.py --shape gate_up --m "$m" --calls 8
     done
-    step ncu_input 150 ncu --clock-control none -k regex:_input_transform --launch-skip 6 --launch-count 1 \
-      --set full python benchmarks/profile_decode.py --shape down --m 64 --calls 4
     step e2e_eager 150 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 --graphs none \
       --new-tokens 32 --repeats 2 --out "$out/e2e_eager_h200.json"
     step memcheck 230 env ESCHA_SANITIZER_TOOLS=memcheck benchmarks/run_sanitizer.sh "$out/sanitizer_memcheck_h200.txt"
