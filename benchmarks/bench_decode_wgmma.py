@@ -140,6 +140,11 @@ def main() -> int:
                         c2 = dataclasses.replace(cfg, programs=programs)
                         if c2 != cfg and programs <= tiles * ws[0].padded_shape[1] // 128:
                             arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
+                    if cfg.block_tokens == 64:  # registers capped at 168 (the sm_90a build: no spills),
+                        # 3 programs an SM instead of 2, one wave of them
+                        blocks = -(-m // 64)
+                        c2 = dataclasses.replace(cfg, max_registers=168, programs=-(-3 * sms // blocks))
+                        arms["cap168"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                     if cfg.block_tokens == 256:  # token blocks of 128 (2 programs an SM), one wave
                         blocks = -(-m // 128)
                         c2 = dataclasses.replace(cfg, block_tokens=128, stages=3,

@@ -178,6 +178,16 @@ for (bits, bn), _ in sorted(PROGRAMS_PER_SM.items()):  # the rule's variants, fo
                          attrs={(2,): [["tt.divisibility", 16]]})
     k = triton.compile(src, target=target, options={"num_warps": 4, "launch_pdl": True})
     out[f"res,{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex()]
+import dataclasses, torch
+from escha.format import random_qweight
+from escha.kernels.triton_compat import compile_only
+from escha.kernels.decode_wgmma import _launch, decode_wgmma_config
+qw = random_qweight(256, 1024, bits=2, seed=0)
+capped = dataclasses.replace(decode_wgmma_config(qw, 64, torch.device("cuda")), max_registers=168)
+with compile_only() as compiled:  # through the launcher, as a call passes the cap
+    _launch(torch.randn(64, 1024, dtype=torch.bfloat16), qw, capped, None)
+k = next(k for name, k in compiled if name == "_decode_wgmma_kernel")
+out["res,cap,64"] = [k.metadata.shared, k.asm["cubin"].hex()]
 for bits, bn, frags, pdl in VARIANTS:
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
@@ -210,7 +220,8 @@ def ptx(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(v if v == "res" else int(v) for v in k.split(",")): p for k, p in json.loads(run.stdout).items()}
+    return {tuple(v if v in ("res", "cap") else int(v) for v in k.split(",")): p
+            for k, p in json.loads(run.stdout).items()}
 
 
 def _registers(cubin: bytes) -> int:
@@ -225,6 +236,14 @@ def _registers(cubin: bytes) -> int:
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     return int(re.search(r"\bREG:(\d+)", text).group(1))
+
+
+def test_register_cap_reaches_the_compiler(ptx):
+    """A configuration's ``max_registers`` is ptxas's cap: K=2 at 64 tokens builds in 205 registers
+    (2 programs an SM) and capped at 168 holds 3 an SM."""
+    shared, cubin = ptx[("res", "cap", 64)]
+    regs = _registers(bytes.fromhex(cubin))
+    assert regs <= 168 and min(65536 // (128 * -(-regs // 8) * 8), 233472 // (shared + 1024)) == 3
 
 
 @pytest.mark.parametrize("bits,bn", sorted(dw.PROGRAMS_PER_SM))

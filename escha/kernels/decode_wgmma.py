@@ -431,6 +431,7 @@ class DecodeWgmmaConfig:
     fragments: int  # 64-row A fragments per program (1 or 2)
     dependent_launch: bool  # the three kernels as programmatic dependents (common.dependent_launch_supported)
     early_start: bool  # with dependent_launch: the GEMM launches as the input transform starts, not as it ends
+    max_registers: int | None = None  # ptxas's register cap per thread (None: its own choice)
 
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
@@ -591,7 +592,8 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
     args = (x_desc, packed.desc, ws, m, np_, nkb, tiles * nkb, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
-                    PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch)
+                    PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch,
+                    maxnreg=cfg.max_registers)
     return ws, counts, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr") if keep else None,
                              **settings)
 
