@@ -47,7 +47,7 @@ for name, (n, k) in shapes.items():
         x = torch.zeros(m, k, dtype=torch.bfloat16)
         cfg = decode_wgmma_config(qw, m, torch.device("cuda"))
         tiles = qw.padded_shape[0] // (64 * cfg.fragments)
-        split = max(segment_counts(cfg.programs, tiles, qw.padded_shape[1] // 128, cfg.fragments))
+        split = int(segment_counts(cfg.programs, tiles, qw.padded_shape[1] // 128, cfg.fragments).max())
         z = torch.zeros(split, m, qw.padded_shape[0])
         with compile_only() as compiled:
             hadamard_input(x, qw, mma_order=True, dependent_launch=True, release_early=True, norm=rn)

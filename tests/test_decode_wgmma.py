@@ -129,7 +129,7 @@ def test_even_split_partition(programs, tiles, kblocks):
     assert taken == list(range(tiles * kblocks)) and max(lengths) - min(lengths) <= 1
     for t, progs in enumerate(owners):
         assert [written[(t, j)] for j in range(len(progs))] == progs
-    counts = dw.segment_counts(programs, tiles, kblocks, fragments=2)
+    counts = dw.segment_counts(programs, tiles, kblocks, fragments=2).tolist()
     assert counts == [len(p) for p in owners for _ in range(2)]
     assert len(written) == sum(counts[::2])
 

@@ -267,7 +267,8 @@ def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):
 
 
 _HADAMARD: dict[tuple[str, torch.dtype, float], torch.Tensor] = {}
-_CONSTANTS: dict[tuple[str, int, float], torch.Tensor] = {}
+_CONSTANTS: dict[tuple[str, int, float, torch.dtype], torch.Tensor] = {}
+_DERIVED: dict[tuple, torch.Tensor] = {}
 _CAPTURED: list[torch.Tensor] = []  # constants made inside a CUDA-graph capture, for their graph
 
 
@@ -286,12 +287,21 @@ def _cached(cache: dict, key: tuple, device: torch.device, make: Callable[[], to
     return v
 
 
-def constant_vector(device: torch.device, n: int, value: float) -> torch.Tensor:
-    """An fp32 [n] tensor of ``value`` on ``device``, made once per (device, n, value) and shared:
-    callers only read it. The per-column scale of a library GEMM whose weight scale is one number
-    (dequant_core_fp8). Made with a device op (``_cached``)."""
-    return _cached(_CONSTANTS, (str(device), int(n), float(value)), device,
-                   lambda: torch.full((n,), value, dtype=torch.float32, device=device))
+def constant_vector(device: torch.device, n: int, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A [n] tensor of ``value`` (fp32 unless ``dtype``) on ``device``, made once per (device, n,
+    value, dtype) and shared: callers only read it. The per-column scale of a library GEMM whose
+    weight scale is one number (dequant_core_fp8); the segment counts of partials that all count
+    (transforms.prepare_output). Made with a device op (``_cached``)."""
+    return _cached(_CONSTANTS, (str(device), int(n), float(value), dtype), device,
+                   lambda: torch.full((n,), value, dtype=dtype, device=device))
+
+
+def device_constant(key: tuple, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The tensor ``make()`` builds (device ops only: no host copy, so a first call may happen
+    inside CUDA-graph capture), once per (``key``, device) and shared: callers only read it
+    (``_cached``). For constants a kernel derives from its launch parameters (decode_wgmma's
+    segment counts)."""
+    return _cached(_DERIVED, (str(device), *key), device, make)
 
 
 def hadamard_matrix(device: torch.device, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

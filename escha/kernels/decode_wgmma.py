@@ -50,7 +50,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
-                     interpreted, output_tensor, prepare)
+                     device_constant, interpreted, output_tensor, prepare)
 from .transforms import prepare_input, prepare_output
 from .triton_compat import tma_async_load
 
@@ -484,25 +484,26 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
                              early_start=True)
 
 
-def segment_counts(programs: int, tiles: int, kblocks: int, fragments: int) -> list[int]:
-    """For each 64-row group of the weight, how many programs cut its tile's k-range when
-    ``programs`` programs share ``tiles`` x ``kblocks`` steps evenly (program p takes steps
-    [p S / programs, (p + 1) S / programs), S = tiles x kblocks): the partials it has."""
+def segment_counts(programs: int, tiles: int, kblocks: int, fragments: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 [tiles x fragments]: for each 64-row group of the weight, how many programs cut its
+    tile's k-range when ``programs`` programs share ``tiles`` x ``kblocks`` steps evenly (program
+    p takes steps [p S / programs, (p + 1) S / programs), S = tiles x kblocks): the partials it
+    has. Device ops only (``common.device_constant``)."""
     steps = tiles * kblocks
+    r = torch.arange(tiles, dtype=torch.int64, device=device)
 
-    def program(step: int) -> int:  # the program whose steps hold ``step``
+    def program(step: torch.Tensor) -> torch.Tensor:  # the program whose steps hold ``step``
         return -(-(step + 1) * programs // steps) - 1
 
-    return [program((r + 1) * kblocks - 1) - program(r * kblocks) + 1 for r in range(tiles) for _ in range(fragments)]
+    counts = program((r + 1) * kblocks - 1) - program(r * kblocks) + 1
+    return counts.repeat_interleave(fragments).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=1024)
-def _segments(programs: int, tiles: int, kblocks: int, fragments: int,
-              device: torch.device) -> tuple[torch.Tensor, int]:
-    """``segment_counts`` as the int32 tensor the output transform reads, and their largest: the
-    partials' first dimension (kept per grid)."""
-    counts = segment_counts(programs, tiles, kblocks, fragments)
-    return torch.tensor(counts, dtype=torch.int32, device=device), max(counts)
+def _most_segments(programs: int, tiles: int, kblocks: int) -> int:
+    """The largest of ``segment_counts``: the partials' first dimension (kept per grid)."""
+    return int(segment_counts(programs, tiles, kblocks, 1).max())
 
 
 def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaConfig | None = None,
@@ -586,7 +587,9 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     nkb = kp // BLOCK_K
     tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
     programs = min(cfg.programs, tiles * nkb)
-    counts, segs = _segments(programs, tiles, nkb, cfg.fragments, xq.device)
+    counts = device_constant(("segments", programs, tiles, nkb, cfg.fragments), xq.device,
+                             lambda: segment_counts(programs, tiles, nkb, cfg.fragments, xq.device))
+    segs = _most_segments(programs, tiles, nkb)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     ws = torch.empty((segs, m, np_), dtype=torch.float32, device=xq.device)
     grid = (programs, triton.cdiv(m, cfg.block_tokens))

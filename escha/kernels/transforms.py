@@ -15,8 +15,6 @@ so the only cost is fp16's own rounding of x' (unit roundoff 2**-11).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -24,9 +22,9 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, dot_dtype, hadamard128, hadamard_operand,
-                     interpreted, load_hadamard, prepare, release_dependents, round_to, row_scale_block,
-                     wait_for_producer)
+from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, constant_vector, dot_dtype, hadamard128,
+                     hadamard_operand, interpreted, load_hadamard, prepare, release_dependents, round_to,
+                     row_scale_block, wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
 INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
@@ -233,12 +231,6 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _all_segments(device: torch.device, groups: int, split: int) -> torch.Tensor:
-    """int32 [groups] of ``split``: every partial counts (kept: a product's launch reads it)."""
-    return torch.full((groups,), split, dtype=torch.int32, device=device)
-
-
 def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
                    dependent_launch: bool = False, head_norm: HeadNorm | None = None,
                    segments: torch.Tensor | None = None, keep: bool = True) -> Prepared | None:
@@ -249,7 +241,7 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
     if segments is None:
-        segments = _all_segments(z.device, np_ // 64, split)
+        segments = constant_vector(z.device, np_ // 64, split, torch.int32)  # every partial counts
     elif segments.shape != (np_ // 64,) or segments.dtype != torch.int32 or segments.device != z.device:
         raise ValueError(f"segments must be int32 [{np_ // 64}] on {z.device}, got {segments.dtype} "
                          f"{list(segments.shape)} on {segments.device}")
