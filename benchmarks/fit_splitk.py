@@ -65,6 +65,7 @@ WGMMA_POINTS = [shape for t in (1, 2, 4) for shape in
                 ((7168 // t, 5120), (5120, 5120 // t), (34816 // t, 5120), (5120, 17408 // t))]
 WGMMA_MS = (1, 16, 64, 128)
 WAVES = (0.5, 1, 1.5, 2, 3)  # grids swept: these multiples of one wave (the programs the SMs hold)
+TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
 
 
 def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
@@ -97,9 +98,6 @@ def fit_wgmma(table: list[dict]) -> dict:
         out[f"{lo}-{hi}"] = {"rule_worst_loss": max(loss), "rule_mean_loss": sum(loss) / len(loss),
                              "best_grid_counts": wins, "points": len(pts)}
     return out
-
-
-TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
 
 
 def sweep_wgmma(args) -> None:
