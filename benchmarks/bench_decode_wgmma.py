@@ -63,6 +63,38 @@ def gate_gemm(qw: QuantizedWeight, w_ref: torch.Tensor, m: int, dtype: torch.dty
     return rel_err(y, ref)
 
 
+def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
+    """Configurations beside the rule's, each one wave at the occupancy of its sm_90a build
+    (cuobjdump registers and shared memory, offline): one 64-row fragment a program at 8-32
+    tokens (64-95 registers: 5-8 programs an SM against the rule's 4), two fragments capped at
+    96 registers (5 an SM, 16-48 bytes of spill), at 64 tokens the cap of 168 (3 an SM) and one
+    fragment (128 registers, 3 an SM by shared memory at 3 stages, 4 at 2), at 128 tokens a ring
+    of 2 stages (3 an SM), at 256 two token blocks of 128 (3 stages, and 2)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    steps_f1 = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
+
+    def wave(per_sm: int, tokens: int = cfg.block_tokens) -> int:
+        return min(steps_f1 // 2, -(-per_sm * sms // -(-m // tokens)))
+
+    out = {}
+    if cfg.block_tokens <= 32:
+        for k in (4, 6, 8):
+            out[f"f1w{k}"] = dataclasses.replace(cfg, fragments=1, programs=wave(k))
+        if cfg.block_tokens <= 16:
+            out["cap96w5"] = dataclasses.replace(cfg, max_registers=96, programs=wave(5))
+    if cfg.block_tokens == 64:
+        out["cap168"] = dataclasses.replace(cfg, max_registers=168, programs=wave(3))
+        out["f1w3"] = dataclasses.replace(cfg, fragments=1, programs=wave(3))
+        out["f1s2w4"] = dataclasses.replace(cfg, fragments=1, stages=2, programs=wave(4))
+    if cfg.block_tokens == 128:
+        out["s2w3"] = dataclasses.replace(cfg, stages=2, programs=wave(3))
+    if cfg.block_tokens == 256:
+        out["bn128"] = dataclasses.replace(cfg, block_tokens=128, stages=3,
+                                           programs=wave(PROGRAMS_PER_SM[(qw.bits, 128)], 128))
+        out["bn128s2"] = dataclasses.replace(cfg, block_tokens=128, stages=2, programs=wave(3, 128))
+    return {k: v for k, v in out.items() if v != cfg}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -130,26 +162,13 @@ def main() -> int:
                     arms["part_gemm"] = (lambda i: gemm_partials(xq, ws[i], plain), len(ws))
                     arms["part_output"] = (lambda i: hadamard_output(zs, ws[i], inv, y, segments=counts), len(ws))
                 if args.variants:
-                    # Grids of whole waves (programs = k x SMs, label wk) and of whole tiles (tiles x
-                    # slices, label ts: the k-split of whole row tiles, as before the even split).
-                    sms = torch.cuda.get_device_properties(0).multi_processor_count
-                    tiles = ws[0].padded_shape[0] // (64 * cfg.fragments)
-                    grids = {f"w{k}": k * sms for k in (1, 2, 3, 4)}
-                    grids.update({f"t{sp}": tiles * sp for sp in (3, 6)})
-                    for label, programs in grids.items():
-                        c2 = dataclasses.replace(cfg, programs=programs)
-                        if c2 != cfg and programs <= tiles * ws[0].padded_shape[1] // 128:
-                            arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
-                    if cfg.block_tokens == 64:  # registers capped at 168 (the sm_90a build: no spills),
-                        # 3 programs an SM instead of 2, one wave of them
-                        blocks = -(-m // 64)
-                        c2 = dataclasses.replace(cfg, max_registers=168, programs=-(-3 * sms // blocks))
-                        arms["cap168"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
-                    if cfg.block_tokens == 256:  # token blocks of 128 (2 programs an SM), one wave
-                        blocks = -(-m // 128)
-                        c2 = dataclasses.replace(cfg, block_tokens=128, stages=3,
-                                                 programs=-(-PROGRAMS_PER_SM[(ws[0].bits, 128)] * sms // blocks))
-                        arms["bn128"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
+                    for label, c2 in variant_configs(cfg, ws[0], m).items():
+                        e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
+                        point[f"err_{label}"] = e
+                        if not e <= TOL[torch.bfloat16]:
+                            log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
+                            continue
+                        arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
                 times = {k: [] for k in samplers}
                 for _ in range(args.rounds):
