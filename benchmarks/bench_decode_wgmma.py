@@ -68,8 +68,8 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     (cuobjdump registers and shared memory, offline): one 64-row fragment a program at 8-32
     tokens (64-95 registers: 5-8 programs an SM against the rule's 4), two fragments capped at
     96 registers (5 an SM, 16-48 bytes of spill), at 64 tokens the cap of 168 (3 an SM) and one
-    fragment (128 registers, 3 an SM by shared memory at 3 stages, 4 at 2), at 128 tokens a ring
-    of 2 stages (3 an SM), at 256 two token blocks of 128 (3 stages, and 2)."""
+    fragment (128 registers, 3 an SM by shared memory at 3 stages, 4 at 2), above 128 tokens one
+    token block of 256 (the rule takes blocks of 128)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     steps_f1 = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
 
@@ -86,12 +86,8 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
         out["cap168"] = dataclasses.replace(cfg, max_registers=168, programs=wave(3))
         out["f1w3"] = dataclasses.replace(cfg, fragments=1, programs=wave(3))
         out["f1s2w4"] = dataclasses.replace(cfg, fragments=1, stages=2, programs=wave(4))
-    if cfg.block_tokens == 128:
-        out["s2w3"] = dataclasses.replace(cfg, stages=2, programs=wave(3))
-    if cfg.block_tokens == 256:
-        out["bn128"] = dataclasses.replace(cfg, block_tokens=128, stages=3,
-                                           programs=wave(PROGRAMS_PER_SM[(qw.bits, 128)], 128))
-        out["bn128s2"] = dataclasses.replace(cfg, block_tokens=128, stages=2, programs=wave(3, 128))
+    if cfg.block_tokens == 128 and m > 128:  # one token block of 256 (1 program an SM, 2 stages)
+        out["bn256"] = dataclasses.replace(cfg, block_tokens=256, stages=2, programs=wave(1, 256))
     return {k: v for k, v in out.items() if v != cfg}
 
 

@@ -84,11 +84,11 @@ def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
 
 @pytest.mark.parametrize("shape,m,programs", [((17408, 5120), 1, 528), ((17408, 5120), 64, 264),
                                               ((17408, 5120), 128, 264), ((5120, 8704), 16, 528),
-                                              ((4096, 14336), 256, 132), ((4096, 14336), 300, 66),
+                                              ((4096, 14336), 256, 132), ((4096, 14336), 300, 88),
                                               ((6144, 4096), 8, 528), ((256, 256), 8, 2)])
 def test_rule_is_one_wave_started_early(shape, m, programs):
     """The H200 runs (module note): one wave of programs, as many as an SM holds of the rule's
-    variant times 132 SMs, shared among the token blocks (two at 300 tokens), at least two
+    variant times 132 SMs, shared among the token blocks (128 tokens each: three at 300), at least two
     k-blocks each (a 256 x 256 weight has 4 steps: two programs); the GEMM starts with the input
     transform."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)

@@ -57,7 +57,7 @@ from .triton_compat import tma_async_load
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
 FRAGMENT_WORDS = FRAGMENT_ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per 16 weights -> 1024
-MAX_TOKENS = 256  # wgmma N
+MAX_TOKENS = 128  # tokens per program in the rule (wgmma N; the kernel runs up to 256)
 HOPPER_SMS = 132  # SMs of an H100 SXM / H200, for the rule when no device is given
 SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
 # A fragment's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
@@ -436,17 +436,17 @@ class DecodeWgmmaConfig:
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
 #: sm_90a build of the rule's variant (tests/test_decode_wgmma.py checks it against the compiler).
-PROGRAMS_PER_SM = {(2, 8): 4, (2, 16): 4, (2, 32): 4, (2, 64): 2, (2, 128): 2, (2, 256): 1,
-                   (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 2, (3, 128): 2, (3, 256): 1}
+PROGRAMS_PER_SM = {(2, 8): 4, (2, 16): 4, (2, 32): 4, (2, 64): 2, (2, 128): 2,
+                   (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 2, (3, 128): 2}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
-    """The rule: tokens padded to a power of two >= 8 (at most 256 per program); two fragments
+    """The rule: tokens padded to a power of two >= 8 (at most 128 per program); two fragments
     (128 rows) per program up to 64 tokens, one above (two at 128 tokens need 254 registers);
     one wave of programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the
-    token blocks, each program at least MIN_STEPS k-blocks; an activation ring 3 deep where
-    shared memory allows (2 at 256 tokens); dependent launches wherever the device has them
+    token blocks, each program at least MIN_STEPS k-blocks; an activation ring 3 deep;
+    dependent launches wherever the device has them
     (sm_90 always does), the GEMM starting early (as the input transform starts). Measured on
     the H200 (note at the end of this module)."""
     return config_with_programs(qw, m, None, device)
@@ -467,7 +467,7 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
     """config_with_programs for a K=bits weight of padded shape (np_, kp): kept per argument set,
     since every decode call asks for it."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
-    stages = 3 if block_tokens <= 128 else 2
+    stages = 3
     fragments = 2 if block_tokens <= 64 else 1
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
