@@ -82,7 +82,7 @@ def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
     assert torch.equal(order // 32, t)  # lane t's columns are tiles 2t and 2t + 1
 
 
-@pytest.mark.parametrize("shape,m,programs", [((17408, 5120), 1, 528), ((17408, 5120), 64, 264),
+@pytest.mark.parametrize("shape,m,programs", [((17408, 5120), 1, 528), ((17408, 5120), 64, 528),
                                               ((17408, 5120), 128, 264), ((5120, 8704), 16, 528),
                                               ((4096, 14336), 256, 132), ((4096, 14336), 300, 88),
                                               ((6144, 4096), 8, 528), ((256, 256), 8, 2)])
@@ -155,7 +155,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from escha.kernels.decode_wgmma import x_smem_layout, PROGRAMS_PER_SM, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
+from escha.kernels.decode_wgmma import x_smem_layout, PROGRAMS_PER_SM, WORDS_SMEM_LAYOUT, _config, _decode_wgmma_kernel
 
 @gluon.jit
 def layout_check(p):
@@ -168,7 +168,8 @@ target = GPUTarget("cuda", 90, 32)
 triton.compile(GluonASTSource(layout_check, {"p": "*fp16"}), target=target)
 out = {}
 for (bits, bn), _ in sorted(PROGRAMS_PER_SM.items()):  # the rule's variants, for their occupancy
-    frags, stages = (2, 3) if bn <= 64 else (1, 3 if bn <= 128 else 2)
+    rule = _config(17408, 5120, bits, bn, None, None)  # the rule's variant at bn tokens
+    frags, stages = rule.fragments, rule.stages
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",

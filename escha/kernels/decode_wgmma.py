@@ -436,16 +436,17 @@ class DecodeWgmmaConfig:
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
 #: sm_90a build of the rule's variant (tests/test_decode_wgmma.py checks it against the compiler).
-PROGRAMS_PER_SM = {(2, 8): 4, (2, 16): 4, (2, 32): 4, (2, 64): 2, (2, 128): 2,
-                   (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 2, (3, 128): 2}
+PROGRAMS_PER_SM = {(2, 8): 4, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
+                   (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 3, (3, 128): 2}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule: tokens padded to a power of two >= 8 (at most 128 per program); two fragments
-    (128 rows) per program up to 64 tokens, one above (two at 128 tokens need 254 registers);
+    (128 rows) per program up to 32 tokens, one above (at 64 tokens with a ring of 2, so that 4
+    programs fit an SM);
     one wave of programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the
-    token blocks, each program at least MIN_STEPS k-blocks; an activation ring 3 deep;
+    token blocks, each program at least MIN_STEPS k-blocks; an activation ring 3 deep (2 at 64);
     dependent launches wherever the device has them
     (sm_90 always does), the GEMM starting early (as the input transform starts). Measured on
     the H200 (note at the end of this module)."""
@@ -467,8 +468,8 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
     """config_with_programs for a K=bits weight of padded shape (np_, kp): kept per argument set,
     since every decode call asks for it."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
-    stages = 3
-    fragments = 2 if block_tokens <= 64 else 1
+    stages = 2 if block_tokens == 64 else 3
+    fragments = 2 if block_tokens <= 32 else 1
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
     tiles = np_ // (FRAGMENT_ROWS * fragments)
