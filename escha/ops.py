@@ -150,17 +150,18 @@ class DispatchRule:
     at every M, with the same threshold: benchmarks/results/prefill_h200_v7 measured the plain
     form 11-23% faster at 128-512 tokens, level with the folded form at gate_up 2048 (40 blocks,
     51 rows a block) and down 8192 (68 blocks, 120 rows a block). The defaults are the fit of
-    benchmarks/fit_dispatch.py on the H200's dense sweep (benchmarks/results/sweep_h200_v2/
+    benchmarks/fit_dispatch.py on the H200's dense sweep (benchmarks/results/sweep_h200_v3/
     fit_dispatch.md: every escha path at 20 M from 1 to 8192 on both seed shapes): the
-    register-operand decode kernel was fastest up to 96 tokens, the plain-core form from 128 to
+    register-operand decode kernel was fastest up to 128 tokens, the plain-core form from 192 to
     2048 and the folded form from 4096; the fused prefill kernel never was the fastest, so it
     stays selectable only (path="prefill", or a rule with a larger dequant_min_m). Any
-    core_m_per_kblock from 31 to 51 chose the faster form at every point of that sweep; 48 (from
+    core_m_per_kblock from 31 to 51 chose the faster form at every point of the sweep before
+    (sweep_h200_v2), and the same forms won at every point of this one; 48 (from
     benchmarks/results/prefill_h200_v6, where gate_up at 2048 = 51 rows a block was level).
     """
 
-    decode_max_m: int = 96
-    dequant_min_m: int = 97
+    decode_max_m: int = 128
+    dequant_min_m: int = 129
     core_m_per_kblock: int = 48
 
     def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:

@@ -20,14 +20,14 @@ K_GATE_UP, K_DOWN = 5120, 8704  # the seed shapes' in_features: 40 and 68 blocks
 
 
 @pytest.mark.parametrize("m,k,want", [(1, K_GATE_UP, KernelPath.DECODE), (64, K_GATE_UP, KernelPath.DECODE),
-                                      (96, K_GATE_UP, KernelPath.DECODE),
-                                      (97, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
+                                      (128, K_GATE_UP, KernelPath.DECODE),
+                                      (129, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
                                       (48 * 40, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
                                       (48 * 40 + 1, K_GATE_UP, KernelPath.DEQUANT_FP8),
                                       (2048, K_DOWN, KernelPath.DEQUANT_CORE_FP8),
                                       (48 * 68 + 1, K_DOWN, KernelPath.DEQUANT_FP8),
                                       (8192, K_DOWN, KernelPath.DEQUANT_FP8),
-                                      (97, 1, KernelPath.DEQUANT_FP8),  # one ragged block: 48 rows
+                                      (129, 1, KernelPath.DEQUANT_FP8),  # one ragged block: 48 rows
                                       (48, 1, KernelPath.DECODE)])
 def test_rule_boundaries(m, k, want):
     assert DEFAULT_RULE.choose(m, in_features=k) == want
@@ -86,11 +86,11 @@ def test_resolve_path_on_device(monkeypatch):
     qw = QuantizedWeight.placeholder((256, 512), 2, device=dev)
     # Kernels run here (CUDA, or CPU under the interpreter that this module switched on).
     wgmma = dispatch_table()[KernelPath.DECODE_WGMMA].available(dev, 2, 8, True)
-    # 65..96 tokens: the register-operand kernel; without it, past the portable kernel's 64
+    # 65..128 tokens: the register-operand kernel; without it, past the portable kernel's 64
     # tokens, dequantize-once (the plain-core form: 4 blocks of inputs serve up to 192 rows).
-    for m in (65, 96):
+    for m in (65, 128):
         assert resolve_path(m, qw) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DEQUANT_CORE_FP8)
-    assert resolve_path(97, qw) == KernelPath.DEQUANT_CORE_FP8
+    assert resolve_path(129, qw) == KernelPath.DEQUANT_CORE_FP8
     assert resolve_path(193, qw) == KernelPath.DEQUANT_FP8
     assert resolve_path(65, qw, rule=DispatchRule(decode_max_m=64, dequant_min_m=128)) == KernelPath.PREFILL
     assert resolve_path(600, qw, rule=DispatchRule(dequant_min_m=600)) == KernelPath.DEQUANT_FP8
