@@ -228,7 +228,7 @@ def prompt_ids(model, tokens: int, device: torch.device) -> torch.Tensor:
 def prefill_times(model, tokens: int, args, device: torch.device) -> dict:
     """One prompt of ``tokens`` tokens through the whole model (batch 1, no cache: the forward a
     prompt costs before its first new token), eager, after two warm-up passes; best of the
-    repeats. escha's Linears take their prompt-length paths here (dequantize-once past 96 tokens)."""
+    repeats. escha's Linears take their prompt-length paths here (dequantize-once past 128 tokens)."""
     ids = prompt_ids(model, tokens, device)
     times = []
     with torch.no_grad():

@@ -1,8 +1,8 @@
 """Share of the integer floor, per decode point: the register-operand decode GEMM's loop census
 (sm_90a SASS, compiled here without a GPU) set against its measured time in the dense sweep.
 
-For each token block (8, 16, 32, 64 with two fragments a program; 128, 256 with one, as
-``decode_wgmma_config`` picks them) the loop body - the longest region closed by a backward
+For each token block of the rule (8..128 tokens; fragments and stages as
+``decode_wgmma_config`` picks them: two fragments up to 32 tokens, one from 64) the loop body - the longest region closed by a backward
 branch - is counted by opcode; its integer operations (bench_decode.INT_OPS: IMAD, LOP3, PRMT,
 SHF, ...) per weight give a floor of
 
@@ -10,7 +10,8 @@ SHF, ...) per weight give a floor of
 
 (64: the integer lanes of an SM sub-partition group per clock, as docs/KERNELS.md's census uses),
 and the share is floor / the whole call's median time (input transform, GEMM, output transform)
-from the sweep's escha-decode-wgmma arm.
+from the sweep's escha-decode-wgmma arm. The floor counts each weight decoded once: past one token
+block (more than 128 tokens) the kernel decodes it once per block, which the table shows.
 
     python benchmarks/census_share.py [--sweep benchmarks/results/sweep_h200] \\
         [--out benchmarks/results/decode_wgmma_census_share]
@@ -33,7 +34,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_decode import INT_OPS, loop_census  # noqa: E402
 
-VARIANTS = [(8, 2), (16, 2), (32, 2), (64, 2), (128, 1), (256, 1)]  # (token block, fragments)
+from escha.kernels.decode_wgmma import MAX_TOKENS, _config  # noqa: E402
+
+TOKEN_BLOCKS = [8, 16, 32, 64, 128]
+# (token block, fragments, stages) of the rule's variants (the same for every weight shape).
+VARIANTS = [(bn, _config(17408, 5120, 2, bn, None, None).fragments, _config(17408, 5120, 2, bn, None, None).stages)
+            for bn in TOKEN_BLOCKS if bn <= MAX_TOKENS]
 
 # Gluon is compiled in a child process, away from any interpreter state (tests/test_decode_wgmma.py).
 _COMPILE = r"""
@@ -43,8 +49,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from escha.kernels.decode_wgmma import x_smem_layout, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
 out = {}
-for bn, frags in VARIANTS:
-    stages = 3 if bn <= 128 else 2
+for bn, frags, stages in VARIANTS:
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
@@ -53,7 +58,7 @@ for bn, frags in VARIANTS:
                          constexprs={"BITS": 2, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},
                          attrs={(2,): [["tt.divisibility", 16]]})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
-    out[f"{bn},{frags}"] = k.asm["sass"]
+    out[f"{bn},{frags}"] = k.asm["sass"]  # the loop census needs no stage count
 json.dump(out, sys.stdout)
 """
 
@@ -73,7 +78,7 @@ def compile_sass() -> dict[tuple[int, int], str]:
 
 def token_block(m: int) -> int:
     """decode_wgmma_config's token block for m tokens."""
-    return min(256, max(8, 1 << (m - 1).bit_length()))
+    return min(MAX_TOKENS, max(8, 1 << (m - 1).bit_length()))
 
 
 def measured_points(args) -> tuple[list[tuple[str, int, int, int, float]], dict]:
@@ -120,7 +125,7 @@ def main() -> None:
     for shape, n, k, m, us in points:
         c = census[token_block(m)]
         floor_us = c["int_ops_per_weight"] * n * k / (64 * sms * clock) * 1e6
-        rows.append({"shape": shape, "M": m, "token_block": token_block(m), "us": us,
+        rows.append({"shape": shape, "M": m, "token_block": token_block(m), "decodes": -(-m // token_block(m)), "us": us,
                      "int_ops_per_weight": round(c["int_ops_per_weight"], 3), "floor_us": floor_us,
                      "share": floor_us / us})
     source = args.bench or args.sweep
@@ -132,9 +137,10 @@ def main() -> None:
              f"{meta['git_sha'][:7]}, {meta_out['sweep']})", "",
              "floor = integer ops per weight (loop census, sm_90a SASS) x N x K / (64 x SMs x clock); share = "
              f"floor / the whole call's median ({meta_out['arm']}: input transform, GEMM, output transform).", "",
-             "| shape | M | token block | int ops / weight | floor µs | measured µs | share |", "|---|---|---|---|---|---|---|"]
+             "| shape | M | token block | decodes a weight | int ops / weight | floor µs | measured µs | share |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['M']} | {r['token_block']} | {r['int_ops_per_weight']:.2f} | "
+        lines.append(f"| {r['shape']} | {r['M']} | {r['token_block']} | {r['decodes']} | {r['int_ops_per_weight']:.2f} | "
                      f"{r['floor_us']:.1f} | {r['us']:.1f} | {100 * r['share']:.0f}% |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -40,7 +40,8 @@
 #                  (benchmarks/bench_host.py, with cProfile's top functions); run "profile" after it
 #                  for the whole model eager.
 # PHASE "investigate": what the even-split numbers left open (docs/KERNELS.md, "Next, from these
-#                  numbers"): ncu of the GEMM loop at gate_up M=8 and M=64 (issue slots, stalls),
+#                  numbers"): ncu of the GEMM loop at gate_up M=8 and M=64 (issue slots, and the
+#                  stall reasons per issued instruction, which the text report leaves out),
 #                  an eager decode step's host synchronizations (bench_e2e.py's profiled step,
 #                  CUDA's sync debug mode), then memcheck on the full grid.
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
@@ -167,7 +168,8 @@ case "$phase" in
   investigate)
     for m in 8 64; do
       step "ncu_gemm_gate_up_m$m" 120 ncu --clock-control none -k regex:_decode_wgmma_kernel --launch-skip 6 \
-        --launch-count 1 --set full python benchmarks/profile_decode.py --shape gate_up --m "$m" --calls 8
+        --launch-count 1 --set full --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python benchmarks/profile_decode.py --shape gate_up --m "$m" --calls 8
     done
     step e2e_eager 150 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 --graphs none \
       --new-tokens 32 --repeats 2 --out "$out/e2e_eager_h200.json"

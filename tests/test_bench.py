@@ -645,7 +645,12 @@ def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
         "        /*0040*/               @!P1 BRA `(.L_x_0) ;",
         "        /*0050*/                   EXIT ;"])
     assert cs.loop_census(sass) == {"IMAD": 1, "LOP3": 1, "PRMT": 1, "BRA": 1}
-    assert [cs.token_block(m) for m in (1, 8, 9, 16, 24, 64, 65, 200, 300)] == [8, 8, 16, 16, 32, 64, 128, 256, 256]
+    ms = (1, 8, 9, 16, 24, 64, 65, 200, 300)
+    assert [cs.token_block(m) for m in ms] == [8, 8, 16, 16, 32, 64, 128, 128, 128]
+    from escha.format import random_qweight
+    from escha.kernels.decode_wgmma import decode_wgmma_config
+    qw = random_qweight(256, 1024, bits=2, seed=0)
+    assert [cs.token_block(m) for m in ms] == [decode_wgmma_config(qw, m).block_tokens for m in ms]
 
 
 def test_census_share_reads_a_decode_bench_result(tmp_path):

@@ -605,9 +605,16 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # -- Why the configuration is what it is ---------------------------------------------------------
 # Measured on one H200 (torch 2.11+cu130, triton 3.6.0), CUDA graphs, weights rotated over >= 4x
 # L2, median of 3 rounds, bench_decode_wgmma.py (docs/KERNELS.md, "Even split").
-# Fragments and stages (decode_wgmma_h200_sweep.*): two fragments share each activation tile and
-# halve the loop's overhead per weight; at 128 tokens they need 254 registers, so one fragment
-# above 64 tokens. Stages: 3 (2 at 256 tokens, for shared memory).
+# Fragments and stages (decode_wgmma_h200_sweep.*, then rule_refit_h200/variants_*): two fragments
+# share each activation tile and halve the loop's overhead per weight up to 32 tokens; there one
+# fragment a program at 4-8 programs an SM lost 4-89%, two capped at 96 registers (5 an SM)
+# 2-12%. At 64 tokens two fragments take 205 registers (2 an SM); one fragment with a ring of 2
+# holds 4 an SM and was 6-8% faster on four shapes (gate_up / down / 8B q/k/v / 8B down M=64:
+# 48.6 / 30.2 / 19.5 / 35.7 µs against 51.8 / 32.4 / 21.3 / 38.2; capped at 168 registers, 3 an
+# SM: 50.4 / 31.9 / 21.6 / 37.9). Token blocks of at most 128: the 256-token block holds one
+# program an SM, decode and MMAs in series, and two blocks of 128 (each weight decoded twice)
+# ran gate_up / down / 8B q/k/v / 8B down at 256 tokens in 123.3 / 67.7 / 41.4 / 85.2 µs against
+# 186.2 / 101.6 / 71.3 / 122.4. Stages: 3 elsewhere.
 # Grid: the kernel used to split each row tile's k-range into whole slices (tiles x split
 # programs); ncu found the last, partial wave idle (gate_up M=8: 816 programs against 528 a wave,
 # decode_wgmma_ncu_h200.txt), and an early start lost up to 1.6x on such grids. With the even
