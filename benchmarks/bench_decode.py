@@ -48,16 +48,16 @@ def env_info() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "clocks_mhz": clk}
 
 
-def weight_set(out_f: int, in_f: int, min_bytes: float, seed: int = 0) -> list[QuantizedWeight]:
-    """Distinct random weights on the GPU whose trellis words total >= min_bytes."""
-    base = random_qweight(out_f, in_f, bits=2, seed=seed, device="cuda")
+def weight_set(out_f: int, in_f: int, min_bytes: float, seed: int = 0, bits: int = 2) -> list[QuantizedWeight]:
+    """Distinct random K=bits weights on the GPU whose trellis words total >= min_bytes."""
+    base = random_qweight(out_f, in_f, bits=bits, seed=seed, device="cuda")
     nbytes = base.trellis.numel() * 4
     n = max(2, -(-int(min_bytes) // nbytes))
     g = torch.Generator(device="cuda").manual_seed(seed)
     ws = [base]
     for _ in range(n - 1):
         tr = torch.randint(-2**31, 2**31, base.trellis.shape, generator=g, device="cuda", dtype=torch.int64).to(torch.int32)
-        ws.append(QuantizedWeight(tr, base.su, base.sv, base.scale, base.gscale, base.shape, 2))
+        ws.append(QuantizedWeight(tr, base.su, base.sv, base.scale, base.gscale, base.shape, bits))
     return ws
 
 

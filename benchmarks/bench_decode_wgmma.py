@@ -1,6 +1,7 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
-    python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--breakdown]
+    python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--bits 2|3]
+        [--shapes gate_up,down] [--variants] [--breakdown]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
 reference codec, the GEMM against an fp64 reference within the decode tolerance table. Timing:
@@ -97,6 +98,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ms", default="1,8,16,40,64,128,256")
     ap.add_argument("--shapes", default="gate_up,down")
+    ap.add_argument("--bits", type=int, default=2, choices=(2, 3), help="K of the weights timed")
     ap.add_argument("--variants", action="store_true", help="also time fragments x grid variants")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
@@ -119,14 +121,15 @@ def main() -> int:
     timer = GraphTimer(replays=10)
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
-        ws = weight_set(out_f, in_f, 4 * l2 / 2, seed=len(name))  # packed words are 2x the trellis
+        # >= 4x L2 of packed words, which are 2x the trellis at K=2 and 4/3 of it at K=3
+        ws = weight_set(out_f, in_f, 4 * l2 / (2 if args.bits == 2 else 4 / 3), seed=len(name), bits=args.bits)
         for w in ws:
             packed_words(w)  # the one-time repack, outside the timed graphs
         w_ref = dequantize(ws[0]).double()
         dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
                      for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
         for m in [int(v) for v in args.ms.split(",")]:
-            point = {"shape": name, "N": out_f, "K": in_f, "M": m}
+            point = {"shape": name, "N": out_f, "K": in_f, "M": m, "bits": args.bits}
             try:
                 for dt in (torch.bfloat16, torch.float16, torch.float32):
                     e = gate_gemm(ws[0], w_ref, m, dt)

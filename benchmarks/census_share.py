@@ -37,9 +37,9 @@ from bench_decode import INT_OPS, loop_census  # noqa: E402
 from escha.kernels.decode_wgmma import MAX_TOKENS, _config  # noqa: E402
 
 TOKEN_BLOCKS = [8, 16, 32, 64, 128]
-# (token block, fragments, stages) of the rule's variants (the same for every weight shape).
-VARIANTS = [(bn, _config(17408, 5120, 2, bn, None, None).fragments, _config(17408, 5120, 2, bn, None, None).stages)
-            for bn in TOKEN_BLOCKS if bn <= MAX_TOKENS]
+# (K, token block, fragments, stages) of the rule's variants (the same for every weight shape).
+VARIANTS = [(bits, bn, _config(17408, 5120, bits, bn, None, None).fragments, _config(17408, 5120, bits, bn, None, None).stages)
+            for bits in (2, 3) for bn in TOKEN_BLOCKS if bn <= MAX_TOKENS]
 
 # Gluon is compiled in a child process, away from any interpreter state (tests/test_decode_wgmma.py).
 _COMPILE = r"""
@@ -49,21 +49,21 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from escha.kernels.decode_wgmma import x_smem_layout, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
 out = {}
-for bn, frags, stages in VARIANTS:
+for bits, bn, frags, stages in VARIANTS:
     sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
            "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
     src = GluonASTSource(_decode_wgmma_kernel, sig,
-                         constexprs={"BITS": 2, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},
+                         constexprs={"BITS": bits, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},
                          attrs={(2,): [["tt.divisibility", 16]]})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
-    out[f"{bn},{frags}"] = k.asm["sass"]  # the loop census needs no stage count
+    out[f"{bits},{bn},{frags}"] = k.asm["sass"]  # the loop census needs no stage count
 json.dump(out, sys.stdout)
 """
 
 
-def compile_sass() -> dict[tuple[int, int], str]:
+def compile_sass() -> dict[tuple[int, int, int], str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,9 +81,10 @@ def token_block(m: int) -> int:
     return min(MAX_TOKENS, max(8, 1 << (m - 1).bit_length()))
 
 
-def measured_points(args) -> tuple[list[tuple[str, int, int, int, float]], dict]:
-    """(shape, N, K, M, whole-call µs) of every gated decode point up to 256 tokens, and the run's
-    GPU, SMs, clock and commit: from the dense sweep, or from a bench_decode_wgmma.py result."""
+def measured_points(args) -> tuple[list[tuple[str, int, int, int, float, int]], dict]:
+    """(shape, N, K, M, whole-call µs, bits) of every gated decode point up to 256 tokens, and the
+    run's GPU, SMs, clock and commit: from the dense sweep (K=2), or from a bench_decode_wgmma.py
+    result (its points' bits, 2 where a result predates them)."""
     points = []
     if args.bench:
         with open(args.bench) as f:
@@ -93,7 +94,7 @@ def measured_points(args) -> tuple[list[tuple[str, int, int, int, float]], dict]
                 "git_sha": env["git"], "gpu": env["gpu"]}
         for p in res["points"]:
             if "us" in p and p["M"] <= 256:
-                points.append((p["shape"], p["N"], p["K"], p["M"], p["us"]["wgmma"]))
+                points.append((p["shape"], p["N"], p["K"], p["M"], p["us"]["wgmma"], p.get("bits", 2)))
         return points, meta
     for shape in ("gate_up", "down"):
         with open(os.path.join(args.sweep, f"{shape}_results.json")) as f:
@@ -101,7 +102,7 @@ def measured_points(args) -> tuple[list[tuple[str, int, int, int, float]], dict]
         meta = res["meta"]
         for r in res["rows"]:
             if r["arm"] == args.arm and r["M"] <= 256 and r.get("gate") == "pass":
-                points.append((shape, r["N"], r["K"], r["M"], r["us"]))
+                points.append((shape, r["N"], r["K"], r["M"], r["us"], 2))
     return points, meta
 
 
@@ -114,18 +115,18 @@ def main() -> None:
     args = ap.parse_args()
     sass = compile_sass()
     census = {}
-    for (bn, frags), text in sass.items():
+    for (bits, bn, frags), text in sass.items():
         counts = loop_census(text)
         int_ops = sum(counts.get(k, 0) for k in INT_OPS)
-        census[bn] = {"fragments": frags, "loop_instructions": sum(counts.values()), "int_ops": int_ops,
+        census[f"K{bits}/{bn}"] = {"fragments": frags, "loop_instructions": sum(counts.values()), "int_ops": int_ops,
                       "int_ops_per_weight": int_ops / (64 * frags), "counts": counts}
     points, meta = measured_points(args)
     sms, clock = meta["sms"], meta["clock_hz"]
     rows = []
-    for shape, n, k, m, us in points:
-        c = census[token_block(m)]
+    for shape, n, k, m, us, bits in points:
+        c = census[f"K{bits}/{token_block(m)}"]
         floor_us = c["int_ops_per_weight"] * n * k / (64 * sms * clock) * 1e6
-        rows.append({"shape": shape, "M": m, "token_block": token_block(m), "decodes": -(-m // token_block(m)), "us": us,
+        rows.append({"shape": shape, "bits": bits, "M": m, "token_block": token_block(m), "decodes": -(-m // token_block(m)), "us": us,
                      "int_ops_per_weight": round(c["int_ops_per_weight"], 3), "floor_us": floor_us,
                      "share": floor_us / us})
     source = args.bench or args.sweep
@@ -137,10 +138,10 @@ def main() -> None:
              f"{meta['git_sha'][:7]}, {meta_out['sweep']})", "",
              "floor = integer ops per weight (loop census, sm_90a SASS) x N x K / (64 x SMs x clock); share = "
              f"floor / the whole call's median ({meta_out['arm']}: input transform, GEMM, output transform).", "",
-             "| shape | M | token block | decodes a weight | int ops / weight | floor µs | measured µs | share |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | K | M | token block | decodes a weight | int ops / weight | floor µs | measured µs | share |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['M']} | {r['token_block']} | {r['decodes']} | {r['int_ops_per_weight']:.2f} | "
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['token_block']} | {r['decodes']} | {r['int_ops_per_weight']:.2f} | "
                      f"{r['floor_us']:.1f} | {r['us']:.1f} | {100 * r['share']:.0f}% |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

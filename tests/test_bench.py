@@ -665,7 +665,7 @@ def test_census_share_reads_a_decode_bench_result(tmp_path):
     path = tmp_path / "decode.json"
     path.write_text(json.dumps({"env": env, "points": pts}))
     points, meta = cs.measured_points(argparse.Namespace(bench=str(path), sweep=None, arm=None))
-    assert points == [("qkv_8b", 6144, 4096, 1, 15.1)]
+    assert points == [("qkv_8b", 6144, 4096, 1, 15.1, 2)]  # a result without bits: K=2
     assert meta == {"sms": 132, "clock_hz": 1.98e9, "git_sha": "abc1234", "gpu": "NVIDIA H200"}
 
 

@@ -70,6 +70,9 @@ def whole(single, fast, tmp_path_factory):
 # Ctrl-C arrives while layer 1 is being quantized: a real SIGINT, sent by the process to itself.
 INTERRUPT_AT_LAYER_1 = """
 import os, signal
+# Python raises KeyboardInterrupt on SIGINT only where it started with SIGINT handled; a
+# background job of a non-interactive shell starts with it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from escha.model import pipeline
 real = pipeline.quantize_linears
 def interrupted(linears, hessians, layer, *a, **k):

@@ -3,10 +3,10 @@
     z^T [64 weight rows, tokens] += T_blk [64, 128] @ x'^T [128, tokens]     (one warpgroup)
 
 Swap AB as in the portable kernel (decode.py): weight rows fill the wgmma M dimension (one or two
-64-row fragments per warpgroup), tokens its N dimension (8..256), the activations x' come from
-shared memory (TMA, a ring of STAGES buffers). Unlike the portable kernel, the decoded weights never leave the
-registers: every thread decodes exactly the fp16 values of its own A fragment and the
-``wgmma.mma_async`` reads them from registers.
+64-row fragments per warpgroup), tokens its N dimension (8..256; the rule takes at most 128), the
+activations x' come from shared memory (TMA, a ring of STAGES buffers). Unlike the portable
+kernel, the decoded weights never leave the registers: every thread decodes exactly the fp16
+values of its own A fragment and the ``wgmma.mma_async`` reads them from registers.
 
 Layout (docs/KERNELS.md, "Register-operand decode"). The A fragment of m64n*k16 (fp16) gives a
 thread of warp w, lane 4g + t the rows {16w + g, 16w + g + 8} and, in each 16-wide k step s,
