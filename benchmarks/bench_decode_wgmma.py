@@ -24,7 +24,7 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_wgmma import (PROGRAMS_PER_SM, decode_wgmma, decode_wgmma_config, decoded_fragments,
+from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments,
                                         gemm_partials, mma_order_core, packed_words)
 from escha.kernels.transforms import hadamard_input, hadamard_output
 
