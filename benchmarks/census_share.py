@@ -2,8 +2,8 @@
 (sm_90a SASS, compiled here without a GPU) set against its measured time in the dense sweep.
 
 For each token block of the rule (8..128 tokens; fragments and stages as
-``decode_wgmma_config`` picks them: two fragments up to 32 tokens, one from 64) the loop body - the longest region closed by a backward
-branch - is counted by opcode; its integer operations (bench_decode.INT_OPS: IMAD, LOP3, PRMT,
+``decode_wgmma.rule_variant`` picks them: two fragments up to 32 tokens, one from 64) the loop
+body - the longest region closed by a backward branch - is counted by opcode; its integer operations (bench_decode.INT_OPS: IMAD, LOP3, PRMT,
 SHF, ...) per weight give a floor of
 
     floor = int ops per weight x N x K / (64 per clock per SM x SMs x clock)
@@ -34,30 +34,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_decode import INT_OPS, loop_census  # noqa: E402
 
-from escha.kernels.decode_wgmma import MAX_TOKENS, _config  # noqa: E402
+from escha.kernels.decode_wgmma import MAX_TOKENS, rule_variant  # noqa: E402
 
-TOKEN_BLOCKS = [8, 16, 32, 64, 128]
 # (K, token block, fragments, stages) of the rule's variants (the same for every weight shape).
-VARIANTS = [(bits, bn, _config(17408, 5120, bits, bn, None, None).fragments, _config(17408, 5120, bits, bn, None, None).stages)
-            for bits in (2, 3) for bn in TOKEN_BLOCKS if bn <= MAX_TOKENS]
+VARIANTS = [(bits, *rule_variant(bn)) for bits in (2, 3) for bn in (8, 16, 32, 64, 128) if bn <= MAX_TOKENS]
 
 # Gluon is compiled in a child process, away from any interpreter state (tests/test_decode_wgmma.py).
 _COMPILE = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from escha.kernels.decode_wgmma import x_smem_layout, WORDS_SMEM_LAYOUT, _decode_wgmma_kernel
+from escha.kernels.decode_wgmma import gemm_source
 out = {}
 for bits, bn, frags, stages in VARIANTS:
-    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
-           "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
-           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
-    src = GluonASTSource(_decode_wgmma_kernel, sig,
-                         constexprs={"BITS": bits, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},
-                         attrs={(2,): [["tt.divisibility", 16]]})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
+    k = triton.compile(gemm_source(bits, bn, stages, frags), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "launch_pdl": True})
     out[f"{bits},{bn},{frags}"] = k.asm["sass"]  # the loop census needs no stage count
 json.dump(out, sys.stdout)
 """
@@ -78,7 +69,7 @@ def compile_sass() -> dict[tuple[int, int, int], str]:
 
 def token_block(m: int) -> int:
     """decode_wgmma_config's token block for m tokens."""
-    return min(MAX_TOKENS, max(8, 1 << (m - 1).bit_length()))
+    return rule_variant(m)[0]
 
 
 def measured_points(args) -> tuple[list[tuple[str, int, int, int, float, int]], dict]:
@@ -118,15 +109,16 @@ def main() -> None:
     for (bits, bn, frags), text in sass.items():
         counts = loop_census(text)
         int_ops = sum(counts.get(k, 0) for k in INT_OPS)
-        census[f"K{bits}/{bn}"] = {"fragments": frags, "loop_instructions": sum(counts.values()), "int_ops": int_ops,
-                      "int_ops_per_weight": int_ops / (64 * frags), "counts": counts}
+        census[f"K{bits}/{bn}"] = {"fragments": frags, "loop_instructions": sum(counts.values()),
+                                   "int_ops": int_ops, "int_ops_per_weight": int_ops / (64 * frags), "counts": counts}
     points, meta = measured_points(args)
     sms, clock = meta["sms"], meta["clock_hz"]
     rows = []
     for shape, n, k, m, us, bits in points:
-        c = census[f"K{bits}/{token_block(m)}"]
+        block = token_block(m)
+        c = census[f"K{bits}/{block}"]
         floor_us = c["int_ops_per_weight"] * n * k / (64 * sms * clock) * 1e6
-        rows.append({"shape": shape, "bits": bits, "M": m, "token_block": token_block(m), "decodes": -(-m // token_block(m)), "us": us,
+        rows.append({"shape": shape, "bits": bits, "M": m, "token_block": block, "decodes": -(-m // block), "us": us,
                      "int_ops_per_weight": round(c["int_ops_per_weight"], 3), "floor_us": floor_us,
                      "share": floor_us / us})
     source = args.bench or args.sweep
@@ -141,8 +133,8 @@ def main() -> None:
              "| shape | K | M | token block | decodes a weight | int ops / weight | floor µs | measured µs | share |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['token_block']} | {r['decodes']} | {r['int_ops_per_weight']:.2f} | "
-                     f"{r['floor_us']:.1f} | {r['us']:.1f} | {100 * r['share']:.0f}% |")
+        lines.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {r['token_block']} | {r['decodes']} | "
+                     f"{r['int_ops_per_weight']:.2f} | {r['floor_us']:.1f} | {r['us']:.1f} | {100 * r['share']:.0f}% |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

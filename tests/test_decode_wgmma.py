@@ -88,9 +88,9 @@ def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
                                               ((6144, 4096), 8, 528), ((256, 256), 8, 2)])
 def test_rule_is_one_wave_started_early(shape, m, programs):
     """The H200 runs (module note): one wave of programs, as many as an SM holds of the rule's
-    variant times 132 SMs, shared among the token blocks (128 tokens each: three at 300), at least two
-    k-blocks each (a 256 x 256 weight has 4 steps: two programs); the GEMM starts with the input
-    transform."""
+    variant times 132 SMs, shared among the token blocks (128 tokens each: three at 300), at
+    least two k-blocks each (a 256 x 256 weight has 4 steps: two programs); the GEMM starts with
+    the input transform."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
     assert cfg.programs == programs and cfg.dependent_launch and cfg.early_start
 
@@ -155,7 +155,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from escha.kernels.decode_wgmma import x_smem_layout, PROGRAMS_PER_SM, WORDS_SMEM_LAYOUT, _config, _decode_wgmma_kernel
+from escha.kernels.decode_wgmma import PROGRAMS_PER_SM, gemm_source, rule_variant
 
 @gluon.jit
 def layout_check(p):
@@ -168,16 +168,8 @@ target = GPUTarget("cuda", 90, 32)
 triton.compile(GluonASTSource(layout_check, {"p": "*fp16"}), target=target)
 out = {}
 for (bits, bn), _ in sorted(PROGRAMS_PER_SM.items()):  # the rule's variants, for their occupancy
-    rule = _config(17408, 5120, bits, bn, None, None)  # the rule's variant at bn tokens
-    frags, stages = rule.fragments, rule.stages
-    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
-           "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
-           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
-    src = GluonASTSource(_decode_wgmma_kernel, sig,
-                         constexprs={"BITS": bits, "BN": bn, "STAGES": stages, "FRAGS": frags, "PDL": True},
-                         attrs={(2,): [["tt.divisibility", 16]]})
-    k = triton.compile(src, target=target, options={"num_warps": 4, "launch_pdl": True})
+    _, frags, stages = rule_variant(bn)
+    k = triton.compile(gemm_source(bits, bn, stages, frags), target=target, options={"num_warps": 4, "launch_pdl": True})
     out[f"res,{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex()]
 import dataclasses, torch
 from escha.format import random_qweight
@@ -190,15 +182,8 @@ with compile_only() as compiled:  # through the launcher, as a call passes the c
 k = next(k for name, k in compiled if name == "_decode_wgmma_kernel")
 out["res,cap,64"] = [k.metadata.shared, k.asm["cubin"].hex()]
 for bits, bn, frags, pdl in VARIANTS:
-    sig = {"x_desc": f"tensordesc<fp16[{bn}, 128],{x_smem_layout(bn)!r}>",
-           "w_desc": f"tensordesc<i32[8, 128],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
-           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
-    src = GluonASTSource(_decode_wgmma_kernel, sig,
-                         constexprs={"BITS": bits, "BN": bn, "STAGES": 3, "FRAGS": frags, "PDL": pdl},
-                         attrs={(2,): [["tt.divisibility", 16]]})
     out[f"{bits},{bn},{frags},{int(pdl)}"] = triton.compile(
-        src, target=target, options={"num_warps": 4, "launch_pdl": pdl}).asm["ptx"]
+        gemm_source(bits, bn, 3, frags, pdl), target=target, options={"num_warps": 4, "launch_pdl": pdl}).asm["ptx"]
 json.dump(out, sys.stdout)
 """
 VARIANTS = [(2, 8, 1, True), (2, 64, 1, True), (3, 16, 1, True), (2, 16, 2, True), (2, 16, 2, False)]

@@ -443,13 +443,12 @@ MIN_STEPS = 2  # k-blocks a program takes at least
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule: tokens padded to a power of two >= 8 (at most 128 per program); two fragments
-    (128 rows) per program up to 32 tokens, one above (at 64 tokens with a ring of 2, so that 4
-    programs fit an SM);
-    one wave of programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the
-    token blocks, each program at least MIN_STEPS k-blocks; an activation ring 3 deep (2 at 64);
-    dependent launches wherever the device has them
-    (sm_90 always does), the GEMM starting early (as the input transform starts). Measured on
-    the H200 (note at the end of this module)."""
+    (128 rows) per program up to 32 tokens, one above; an activation ring 3 deep, 2 at 64 tokens
+    so that 4 programs fit an SM (``rule_variant``); one wave of programs, as many as the SMs
+    hold at once (PROGRAMS_PER_SM), shared among the token blocks, each program at least
+    MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
+    GEMM starting early (as the input transform starts). Measured on the H200 (note at the end
+    of this module)."""
     return config_with_programs(qw, m, None, device)
 
 
@@ -462,14 +461,35 @@ def config_with_programs(qw: QuantizedWeight, m: int, programs: int | None,
     return _config(*qw.padded_shape, qw.bits, m, programs, device)
 
 
+def rule_variant(m: int) -> tuple[int, int, int]:
+    """(block_tokens, fragments, stages) the rule takes for m tokens, for any weight: tokens
+    padded to a power of two from 8 to MAX_TOKENS, two fragments up to 32 tokens, a ring of 2 at
+    64 tokens and of 3 elsewhere (module note)."""
+    block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
+    return block_tokens, 2 if block_tokens <= 32 else 1, 2 if block_tokens == 64 else 3
+
+
+def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True):
+    """The GEMM kernel specialized as a launch with these settings specializes it (16-byte
+    aligned partials), for ``triton.compile`` on a machine without a GPU (the tests' and the
+    census's sm_90a builds)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = {"x_desc": f"tensordesc<fp16[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
+           "w_desc": f"tensordesc<i32[8, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
+    return GluonASTSource(_decode_wgmma_kernel, sig,
+                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
+                                      "PDL": pdl},
+                          attrs={(2,): [["tt.divisibility", 16]]})
+
+
 @functools.lru_cache(maxsize=4096)
 def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
             device: torch.device | None) -> DecodeWgmmaConfig:
     """config_with_programs for a K=bits weight of padded shape (np_, kp): kept per argument set,
     since every decode call asks for it."""
-    block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
-    stages = 2 if block_tokens == 64 else 3
-    fragments = 2 if block_tokens <= 32 else 1
+    block_tokens, fragments, stages = rule_variant(m)
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
     tiles = np_ // (FRAGMENT_ROWS * fragments)
