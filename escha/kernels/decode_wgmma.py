@@ -114,11 +114,13 @@ class _Packed:
     """What decode_wgmma keeps per weight: the repacked words, their TMA descriptor, and the
     prepared launches of each (x layout, settings) it has run (``_launch``)."""
 
-    __slots__ = ("words", "desc", "plans")
+    __slots__ = ("words", "descs", "plans")
 
     def __init__(self, words: torch.Tensor) -> None:
         self.words = words
-        self.desc = TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8, BLOCK_K], WORDS_SMEM_LAYOUT)
+        # One TMA box a step: a tile's fragments are 8 consecutive rows each (pack_words' order).
+        self.descs = {f: TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8 * f, BLOCK_K], WORDS_SMEM_LAYOUT)
+                      for f in (1, 2)}
         self.plans: dict[tuple, tuple[int, Prepared, Prepared, Prepared]] = {}
 
 
@@ -274,12 +276,12 @@ def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.const
 
 
 @gluon.jit
-def _word_row(step, NKB, f: gl.constexpr, FRAGS: gl.constexpr):
-    """First row (of the [-1, 128] int32 view of pack_words) of fragment ``f`` of the program's
-    row tile at flat step ``step`` = tile * NKB + k-block: 16 rows per 128-row block and k-block."""
-    tile = step // NKB
-    frag = tile * FRAGS + f
-    return (((frag // 2) * NKB + step - tile * NKB) * 2 + frag % 2) * 8
+def _word_row(tile, kb, NKB, FRAGS: gl.constexpr):
+    """First row (of the [-1, 128] int32 view of pack_words) of the words of row tile ``tile`` (64
+    FRAGS rows) at k-block ``kb``: 16 rows per 128-row block and k-block, so a tile's FRAGS
+    fragments are 8 FRAGS consecutive rows (one TMA box)."""
+    frag = tile * FRAGS
+    return (((frag // 2) * NKB + kb) * 2 + frag % 2) * 8
 
 
 @gluon.jit
@@ -296,9 +298,11 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     partials [segments, M, Np], and the output transform sums each tile's segments in fixed
     order (``segment_counts``): bitwise reproducible.
 
-    Each step's activation tile x' [BN, 128] and FRAGS word blocks [8, 128] arrive by TMA on one
-    mbarrier, STAGES steps ahead of their use, across tile boundaries, so the loop never waits on
-    global memory. With FRAGS = 2 the warpgroup decodes two 64-row fragments per step against the
+    Each step's activation tile x' [BN, 128] and its words [8 FRAGS, 128] (the FRAGS fragments'
+    blocks are consecutive rows of pack_words: one box) arrive by TMA on one mbarrier, STAGES
+    steps ahead of their use, across tile boundaries, so the loop never waits on global memory.
+    The loop carries its (tile, k-block) and the refill's, and its ring stage and phase, as
+    counters: no division by NKB inside it. With FRAGS = 2 the warpgroup decodes two 64-row fragments per step against the
     same activation tile (the second decode overlaps the first fragment's MMA).
 
     With PDL (programmatic dependent launch) the program starts while the input transform runs:
@@ -317,33 +321,40 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
 
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
+    # The same bytes as TMA fills them, one [8 FRAGS, 128] box a stage (unswizzled: row-major).
+    w_box = w_smem._reinterpret(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
 
     row0 = tb * BN
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + FRAGS * w_desc.block_type.nbytes
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    tile = s0 // NKB  # the step being read, as (tile, k-block); then advanced without dividing
+    kb = s0 - tile * NKB
+    t_in = tile  # the step being fetched
+    kb_in = kb
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
-        for f in gl.static_range(FRAGS):
-            tma_async_load(w_desc, [_word_row(s0 + i, NKB, f, FRAGS), 0], bars.index(i),
-                           w_smem.index(i * FRAGS + f), pred=i < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
+        kb_in += 1
+        t_in += (kb_in == NKB).to(gl.int32)
+        kb_in = gl.where(kb_in == NKB, 0, kb_in)
     if PDL:
         _grid_dependency(_WAIT_ASM)
+    kb_x = kb
     for i in gl.static_range(STAGES):
-        kb = (s0 + i) % NKB
-        tma_async_load(x_desc, [row0, kb * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        tma_async_load(x_desc, [row0, kb_x * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        kb_x += 1
+        kb_x = gl.where(kb_x == NKB, 0, kb_x)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
+    stage = 0
+    phase = 0
     for i in range(n):
-        step = s0 + i
-        tile = step // NKB
-        kb = step - tile * NKB
         carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
-        stage = i % STAGES
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        mbarrier.wait(bars.index(stage), phase)
         xs = x_smem.index(stage).permute((1, 0))
         # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
         w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
@@ -359,10 +370,12 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
-        tma_async_load(x_desc, [row0, ((s0 + j) % NKB) * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
-        for f in gl.static_range(FRAGS):
-            tma_async_load(w_desc, [_word_row(s0 + j, NKB, f, FRAGS), 0], bars.index(stage),
-                           w_smem.index(stage * FRAGS + f), pred=j < n)
+        tma_async_load(x_desc, [row0, kb_in * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
+                       pred=j < n)
+        kb_in += 1
+        t_in += (kb_in == NKB).to(gl.int32)
+        kb_in = gl.where(kb_in == NKB, 0, kb_in)
         if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
             # first_program(tile): the largest q with q STEPS / PROGRAMS <= tile * NKB
             seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
@@ -375,6 +388,12 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             gl.store(base + offs, acc0, mask=tmask)
             if FRAGS == 2:
                 gl.store(base + offs + 64, acc1, mask=tmask)
+        kb += 1
+        tile += (kb == NKB).to(gl.int32)
+        kb = gl.where(kb == NKB, 0, kb)
+        stage += 1
+        phase ^= (stage == STAGES).to(gl.int32)
+        stage = gl.where(stage == STAGES, 0, stage)
 
     if PDL:
         _grid_dependency(_RELEASE_ASM)
@@ -475,7 +494,7 @@ def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: 
     census's sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"x_desc": f"tensordesc<fp16[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
-           "w_desc": f"tensordesc<i32[8, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_wgmma_kernel, sig,
@@ -614,7 +633,7 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     ws = torch.empty((segs, m, np_), dtype=torch.float32, device=xq.device)
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    args = (x_desc, packed.desc, ws, m, np_, nkb, tiles * nkb, programs)
+    args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
                     PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch,
                     maxnreg=cfg.max_registers)
