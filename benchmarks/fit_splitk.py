@@ -15,13 +15,14 @@ the whole-tile k-splits of 3 and 6 slices, with the rule's configuration otherwi
 (``decode_wgmma.config_with_programs``). Timing: escha.bench's method. Reported per token block
 class (8-16, 32-64, 128-256 tokens): the rule's (one wave) loss against the best grid, and
 which grids were best. Writes splitk_wgmma_h200.json. ``--refit FILE`` reports a written table
-again, with no GPU.
+again, with no GPU; FILE is the JSON or the sweep's printed log (one line a point).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import replace
 
@@ -35,7 +36,7 @@ from escha.bench.method import Spread, rotation_buffers, round_order  # noqa: E4
 from escha.format import QuantizedWeight, random_qweight  # noqa: E402
 from escha.kernels import SplitKRule, decode, decode_config, decode_split_k  # noqa: E402
 from escha.kernels.decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, PROGRAMS_PER_SM, config_with_programs,  # noqa: E402
-                                        decode_wgmma, decode_wgmma_config)
+                                        decode_wgmma, decode_wgmma_config, rule_variant)
 
 POINTS = [(34816, 5120), (17408, 5120), (8704, 5120), (5120, 17408), (5120, 8704), (5120, 4352)]
 MS = (8, 40, 64)
@@ -133,6 +134,22 @@ def sweep_wgmma(args) -> None:
     report_wgmma(res)
 
 
+def parse_wgmma_log(path: str) -> list[dict]:
+    """The table from the sweep's printed lines ("N=... K=... M=... best=... grid(programs)=us ...")."""
+    table = []
+    with open(path) as f:
+        for line in f:
+            head = re.match(r"N=\s*(\d+) K=\s*(\d+) M=\s*(\d+) best=(\S+) (.*)", line)
+            if not head:
+                continue
+            n, k, m = (int(head.group(i)) for i in (1, 2, 3))
+            arms = re.findall(r"(\S+)\((\d+)\)=([\d.]+)", head.group(5))
+            table.append({"N": n, "K": k, "M": m, "block_tokens": rule_variant(m)[0],
+                          "programs": {g: int(p) for g, p, _ in arms}, "us": {g: float(u) for g, _, u in arms},
+                          "best": head.group(4)})
+    return table
+
+
 def report_wgmma(res: dict) -> None:
     for cls, r in res.items():
         print(f"tokens {cls}: the rule's loss against the best grid: worst {100 * r['rule_worst_loss']:.1f}%, "
@@ -146,11 +163,16 @@ def main() -> None:
     ap.add_argument("--kernel", choices=("decode", "decode-wgmma"), default="decode")
     ap.add_argument("--refit", metavar="JSON", help="fit a written decode-wgmma table again (no GPU)")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     if args.refit:
-        with open(args.refit) as f:
-            doc = json.load(f)
+        if args.refit.endswith(".json"):
+            with open(args.refit) as f:
+                doc = json.load(f)
+        else:
+            doc = {"env": {"source": os.path.basename(args.refit)}, "table": parse_wgmma_log(args.refit)}
         doc["fit"] = fit_wgmma(doc["table"])
-        with open(f"{args.out}/{os.path.basename(args.refit)}", "w") as f:
+        name = os.path.splitext(os.path.basename(args.refit))[0] + ".json"
+        with open(f"{args.out}/{name}", "w") as f:
             json.dump(doc, f, indent=1)
         report_wgmma(doc["fit"])
         return

@@ -477,6 +477,23 @@ def test_fit_splitk_for_the_register_operand_kernel():
     assert res["32-64"]["rule_worst_loss"] == 0.0 and res["32-64"]["points"] == 1
 
 
+def test_fit_splitk_reads_the_sweeps_printed_log(tmp_path):
+    """--refit takes the sweep's printed lines when its JSON was not written: each point's grids,
+    programs and times, and the token block the rule takes at its M."""
+    fit = _script("fit_splitk")
+    log = tmp_path / "sweep.log"
+    log.write_text("N=  7168 K=  5120 M= 64 best=w1 w0.5(264)=37.8 w1(528)=25.1 t6(672)=27.2 rule(528)=25.3\n"
+                   "Traceback (most recent call last):\n"
+                   "N=  1792 K=  5120 M=  1 best=w1 w0.5(264)=11.2 w1(528)=10.1 rule(280)=11.0\n")
+    table = fit.parse_wgmma_log(str(log))
+    assert [(p["N"], p["K"], p["M"], p["block_tokens"], p["best"]) for p in table] == [
+        (7168, 5120, 64, 64, "w1"), (1792, 5120, 1, 8, "w1")]
+    assert table[0]["programs"] == {"w0.5": 264, "w1": 528, "t6": 672, "rule": 528}
+    assert table[1]["us"] == {"w0.5": 11.2, "w1": 10.1, "rule": 11.0}
+    res = fit.fit_wgmma(table)
+    assert res["8-16"]["rule_worst_loss"] == pytest.approx(11.0 / 10.1 - 1)
+
+
 # -- benchmarks/bench_shared.py -----------------------------------------------------------------
 def test_shared_benchmark_arms_compute_the_same_layer():
     """The arms of bench_shared.py (the interpreter's kernels here, bf16 rows): one layer's input
