@@ -66,9 +66,11 @@ def gate_gemm(qw: QuantizedWeight, w_ref: torch.Tensor, m: int, dtype: torch.dty
 
 def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     """Configurations beside the rule's, each one wave at the occupancy of its sm_90a build
-    (cuobjdump registers and shared memory, offline): one 64-row fragment a program at 8-32
-    tokens (64-95 registers: 5-8 programs an SM against the rule's 4), two fragments capped at
-    96 registers (5 an SM, 16-48 bytes of spill), at 64 tokens the cap of 168 (3 an SM) and one
+    (cuobjdump registers and shared memory, offline): at 8-32 tokens the exact codec with one
+    64-row fragment a program (64-95 registers: 5-8 programs an SM against two fragments' 4), and
+    with two capped at 96 registers (5 an SM, 16-48 bytes of spill); where the rule takes the
+    halves codec (K=2, 8 tokens) the exact codec's two fragments at 4 an SM (the rule before) and
+    the halves codec's; elsewhere up to 32 tokens the halves codec; at 64 tokens the cap of 168 (3 an SM) and one
     fragment (128 registers, 3 an SM by shared memory at 3 stages, 4 at 2), above 128 tokens one
     token block of 256 (the rule takes blocks of 128)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -80,9 +82,17 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     out = {}
     if cfg.block_tokens <= 32:
         for k in (4, 6, 8):
-            out[f"f1w{k}"] = dataclasses.replace(cfg, fragments=1, programs=wave(k))
+            out[f"f1w{k}"] = dataclasses.replace(cfg, halves=False, fragments=1, programs=wave(k))
         if cfg.block_tokens <= 16:
-            out["cap96w5"] = dataclasses.replace(cfg, max_registers=96, programs=wave(5))
+            out["cap96w5"] = dataclasses.replace(cfg, halves=False, fragments=2, max_registers=96, programs=wave(5))
+    if cfg.block_tokens == 8 and cfg.halves:  # the exact codec where the rule takes the halves one
+        out["exact_f2w4"] = dataclasses.replace(cfg, halves=False, fragments=2, programs=wave(4))
+        out["halves_f2w4"] = dataclasses.replace(cfg, fragments=2, programs=wave(4))
+    elif cfg.block_tokens <= 32:  # the halves codec: weights lo + hi unrounded
+        out["halves"] = dataclasses.replace(cfg, halves=True)
+        if cfg.block_tokens >= 16:  # 153 registers at 16 tokens, 74 KB of shared memory at 32: 3 an SM
+            out["halves_w3"] = dataclasses.replace(cfg, halves=True, programs=wave(3))
+        out["halves_f1w5"] = dataclasses.replace(cfg, halves=True, fragments=1, programs=wave(5))
     if cfg.block_tokens == 64:
         out["cap168"] = dataclasses.replace(cfg, max_registers=168, programs=wave(3))
         out["f1w3"] = dataclasses.replace(cfg, fragments=1, programs=wave(3))
@@ -154,10 +164,11 @@ def main() -> int:
                     # Each kernel of a call alone, on the operands a call gives it; "part_sum" (added
                     # below) against "wgmma_plain" is what launching them back to back costs.
                     plain = dataclasses.replace(cfg, dependent_launch=False, early_start=False)
-                    xq, inv = hadamard_input(xs[0], ws[0], mma_order=True)
+                    xq, inv = hadamard_input(xs[0], ws[0], mma_order=True, halves=plain.halves)
                     zs, counts = gemm_partials(xq, ws[0], plain)
                     y = torch.empty(m, out_f, device="cuda", dtype=torch.bfloat16)
-                    arms["part_input"] = (lambda i: hadamard_input(xs[i % 2], ws[i], mma_order=True), len(ws))
+                    arms["part_input"] = (lambda i: hadamard_input(xs[i % 2], ws[i], mma_order=True, halves=plain.halves),
+                                          len(ws))
                     arms["part_gemm"] = (lambda i: gemm_partials(xq, ws[i], plain), len(ws))
                     arms["part_output"] = (lambda i: hadamard_output(zs, ws[i], inv, y, segments=counts), len(ws))
                 if args.variants:

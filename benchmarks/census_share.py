@@ -1,10 +1,11 @@
 """Share of the integer floor, per decode point: the register-operand decode GEMM's loop census
 (sm_90a SASS, compiled here without a GPU) set against its measured time in the dense sweep.
 
-For each token block of the rule (8..128 tokens; fragments and stages as
-``decode_wgmma.rule_variant`` picks them: two fragments up to 32 tokens, one from 64) the loop
-body - the longest region closed by a backward branch - is counted by opcode; its integer operations (bench_decode.INT_OPS: IMAD, LOP3, PRMT,
-SHF, ...) per weight give a floor of
+For each token block of the rule (8..128 tokens; fragments, stages and codec as
+``decode_wgmma.rule_variant`` picks them: the halves codec with one fragment at K=2 and 8
+tokens, else two fragments up to 32 tokens, one from 64) the loop body - the longest region
+closed by a backward branch - is counted by opcode; its integer operations (bench_decode.INT_OPS:
+IMAD, LOP3, PRMT, SHF, ...) per weight give a floor of
 
     floor = int ops per weight x N x K / (64 per clock per SM x SMs x clock)
 
@@ -36,8 +37,8 @@ from bench_decode import INT_OPS, loop_census  # noqa: E402
 
 from escha.kernels.decode_wgmma import MAX_TOKENS, rule_variant  # noqa: E402
 
-# (K, token block, fragments, stages) of the rule's variants (the same for every weight shape).
-VARIANTS = [(bits, *rule_variant(bn)) for bits in (2, 3) for bn in (8, 16, 32, 64, 128) if bn <= MAX_TOKENS]
+# (K, token block, fragments, stages, halves) of the rule's variants (the same for every weight shape).
+VARIANTS = [(bits, *rule_variant(bn, bits)) for bits in (2, 3) for bn in (8, 16, 32, 64, 128) if bn <= MAX_TOKENS]
 
 # Gluon is compiled in a child process, away from any interpreter state (tests/test_decode_wgmma.py).
 _COMPILE = r"""
@@ -46,8 +47,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from escha.kernels.decode_wgmma import gemm_source
 out = {}
-for bits, bn, frags, stages in VARIANTS:
-    k = triton.compile(gemm_source(bits, bn, stages, frags), target=GPUTarget("cuda", 90, 32),
+for bits, bn, frags, stages, halves in VARIANTS:
+    k = triton.compile(gemm_source(bits, bn, stages, frags, halves=halves), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "launch_pdl": True})
     out[f"{bits},{bn},{frags}"] = k.asm["sass"]  # the loop census needs no stage count
 json.dump(out, sys.stdout)
@@ -69,7 +70,7 @@ def compile_sass() -> dict[tuple[int, int, int], str]:
 
 def token_block(m: int) -> int:
     """decode_wgmma_config's token block for m tokens."""
-    return rule_variant(m)[0]
+    return rule_variant(m, 2)[0]
 
 
 def measured_points(args) -> tuple[list[tuple[str, int, int, int, float, int]], dict]:

@@ -144,7 +144,7 @@ def parse_wgmma_log(path: str) -> list[dict]:
                 continue
             n, k, m = (int(head.group(i)) for i in (1, 2, 3))
             arms = re.findall(r"(\S+)\((\d+)\)=([\d.]+)", head.group(5))
-            table.append({"N": n, "K": k, "M": m, "block_tokens": rule_variant(m)[0],
+            table.append({"N": n, "K": k, "M": m, "block_tokens": rule_variant(m, 2)[0],
                           "programs": {g: int(p) for g, p, _ in arms}, "us": {g: float(u) for g, _, u in arms},
                           "best": head.group(4)})
     return table

@@ -82,17 +82,49 @@ def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
     assert torch.equal(order // 32, t)  # lane t's columns are tiles 2t and 2t + 1
 
 
-@pytest.mark.parametrize("shape,m,programs", [((17408, 5120), 1, 528), ((17408, 5120), 64, 528),
+@pytest.mark.parametrize("shape,m,programs", [((17408, 5120), 1, 660), ((17408, 5120), 64, 528),
                                               ((17408, 5120), 128, 264), ((5120, 8704), 16, 528),
                                               ((4096, 14336), 256, 132), ((4096, 14336), 300, 88),
-                                              ((6144, 4096), 8, 528), ((256, 256), 8, 2)])
+                                              ((6144, 4096), 8, 660), ((256, 256), 8, 4), ((256, 256), 16, 2)])
 def test_rule_is_one_wave_started_early(shape, m, programs):
     """The H200 runs (module note): one wave of programs, as many as an SM holds of the rule's
-    variant times 132 SMs, shared among the token blocks (128 tokens each: three at 300), at
-    least two k-blocks each (a 256 x 256 weight has 4 steps: two programs); the GEMM starts with
-    the input transform."""
+    variant times 132 SMs (5 of the halves codec's at 8 tokens, 4 at 16-64, 2 at 128), shared
+    among the token blocks (128 tokens each: three at 300), at least two k-blocks each (a
+    256 x 256 weight has 8 steps of one fragment, 4 of two); the GEMM starts with the input
+    transform."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
     assert cfg.programs == programs and cfg.dependent_launch and cfg.early_start
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_rule_variant_takes_the_halves_codec_at_k2_and_8_tokens(bits):
+    """The halves codec with one fragment at K=2 and 8 tokens (1-8 tokens), measured 0.3-6% faster
+    than the exact codec's two fragments there on the H200 (benchmarks/results/decode_next_ab) and
+    slower at 16-32; K=3 keeps the exact codec. The configuration carries the variant."""
+    qw = random_qweight(256, 512, bits=bits, seed=0)
+    for m, want in ((1, (8, 1, 3, True)), (8, (8, 1, 3, True)), (9, (16, 2, 3, False)), (32, (32, 2, 3, False)),
+                    (33, (64, 1, 2, False)), (200, (128, 1, 3, False))):
+        if bits == 3:
+            want = (want[0], 2 if want[0] <= 32 else 1, want[2], False)
+        assert dw.rule_variant(m, bits) == want
+        cfg = dw.decode_wgmma_config(qw, m)
+        assert (cfg.block_tokens, cfg.fragments, cfg.stages, cfg.halves) == want
+
+
+def test_gemm_refuses_an_activation_of_the_other_codec():
+    """x' of the exact order ([M, Kp]) under a halves configuration, or the halves order ([M, 2 Kp])
+    under an exact one: a one-line ValueError before any launch, naming the fix."""
+    from escha.kernels.transforms import hadamard_input
+    qw = random_qweight(128, 256, bits=2, seed=0)
+    x = torch.randn(8, 256)
+    cfg = dw.decode_wgmma_config(qw, 8)
+    assert cfg.halves
+    xq, _ = hadamard_input(x, qw, mma_order=True)
+    with pytest.raises(ValueError, match=r"x' has 256 columns; .*halves=True\) reads 512"):
+        dw.gemm_partials(xq, qw, cfg)
+    xh, _ = hadamard_input(x, qw, halves=True)
+    with pytest.raises(ValueError, match=r"x' has 512 columns; .*halves=False\) reads 256"):
+        dw.gemm_partials(xh, qw, dataclasses.replace(cfg, halves=False))
 
 
 def _kernel_partition(programs: int, tiles: int, kblocks: int):
@@ -168,8 +200,9 @@ target = GPUTarget("cuda", 90, 32)
 triton.compile(GluonASTSource(layout_check, {"p": "*fp16"}), target=target)
 out = {}
 for (bits, bn), _ in sorted(PROGRAMS_PER_SM.items()):  # the rule's variants, for their occupancy
-    _, frags, stages = rule_variant(bn)
-    k = triton.compile(gemm_source(bits, bn, stages, frags), target=target, options={"num_warps": 4, "launch_pdl": True})
+    _, frags, stages, halves = rule_variant(bn, bits)
+    k = triton.compile(gemm_source(bits, bn, stages, frags, halves=halves), target=target,
+                       options={"num_warps": 4, "launch_pdl": True})
     out[f"res,{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex()]
 import dataclasses, torch
 from escha.format import random_qweight
@@ -181,12 +214,16 @@ with compile_only() as compiled:  # through the launcher, as a call passes the c
     _launch(torch.randn(64, 1024, dtype=torch.bfloat16), qw, capped, None)
 k = next(k for name, k in compiled if name == "_decode_wgmma_kernel")
 out["res,cap,64"] = [k.metadata.shared, k.asm["cubin"].hex()]
+for bits, bn, frags in HALVES_VARIANTS:
+    out[f"halves,{bits},{bn},{frags}"] = triton.compile(gemm_source(bits, bn, 3, frags, halves=True), target=target,
+                                                        options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
 for bits, bn, frags, pdl in VARIANTS:
     out[f"{bits},{bn},{frags},{int(pdl)}"] = triton.compile(
         gemm_source(bits, bn, 3, frags, pdl), target=target, options={"num_warps": 4, "launch_pdl": pdl}).asm["ptx"]
 json.dump(out, sys.stdout)
 """
 VARIANTS = [(2, 8, 1, True), (2, 64, 1, True), (3, 16, 1, True), (2, 16, 2, True), (2, 16, 2, False)]
+HALVES_VARIANTS = [(2, 8, 1), (2, 16, 2), (3, 8, 1)]  # the rule's (K=2, 8 tokens, one fragment) and two more
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +235,8 @@ def ptx(tmp_path_factory):
     import subprocess
     import sys
     code = (_COMPILE.replace("REG", repr(A_REG_BASES)).replace("LANE", repr(A_LANE_BASES))
-            .replace("WARP", repr(A_WARP_BASES)).replace("VARIANTS", repr(VARIANTS)))
+            .replace("WARP", repr(A_WARP_BASES)).replace("HALVES_VARIANTS", repr(HALVES_VARIANTS))
+            .replace("VARIANTS", repr(VARIANTS)))
     script = tmp_path_factory.mktemp("sm90") / "compile_decode_wgmma.py"  # @jit needs a source file
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -206,7 +244,7 @@ def ptx(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(v if v in ("res", "cap") else int(v) for v in k.split(",")): p
+    return {tuple(v if v in ("res", "cap", "halves") else int(v) for v in k.split(",")): p
             for k, p in json.loads(run.stdout).items()}
 
 
@@ -254,6 +292,20 @@ def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags, pdl):
     # (Triton 3.6 writes .shared.b64, later releases .shared::cta.b64: the same state space.)
     tx = {int(v) for v in re.findall(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64\s+_,\s*\[[^]]*\],\s*(\d+)", ptx)}
     assert tx == {bn * 128 * 2 + frags * 8 * 128 * 4}
+
+
+@pytest.mark.parametrize("bits,bn,frags", HALVES_VARIANTS)
+def test_halves_ptx_runs_two_register_a_mmas_a_fragment(ptx, bits, bn, frags):
+    """The halves codec: two wgmmas a fragment and k-step (the halves of columns s and s + 8), A
+    from registers, no shared-memory stores, no add.f16x2 (the tensor core sums the halves), and
+    each stage's mbarrier expecting the two activation tiles and the words."""
+    ptx = ptx[("halves", bits, bn, frags)]
+    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
+    assert len(mma) == 16 * frags and all(int(n) == bn for n, _ in mma)
+    assert all(a == "{" for _, a in mma)
+    assert "st.shared" not in ptx and "add.f16x2" not in ptx and "add.rn.f16x2" not in ptx
+    tx = {int(v) for v in re.findall(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64\s+_,\s*\[[^]]*\],\s*(\d+)", ptx)}
+    assert tx == {2 * bn * 128 * 2 + frags * 8 * 128 * 4}
 
 
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
@@ -333,6 +385,32 @@ def test_fragments_bit_exact(bits, shape):
     got = dw.decoded_fragments(qw)
     want = dw.mma_order_core(decode_trellis(qw).to(torch.float16))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_gemm_variants_within_tolerance(m, bits):
+    """Both codecs at 8-32 tokens a block (the halves codec, the rule's at K=2 and 8 tokens, and
+    the exact one; two fragments and one; also with every program one step) write every output
+    within the table's bound. The halves codec's weights are the unrounded lo + hi, within half an
+    fp16 ulp of T: the table's 2**-11 weight term."""
+    tol = 2 * (2.0**-8 + 2.0**-11)
+    qw = random_qweight(300, 700, bits=bits, seed=m + 10 * bits, device="cuda")
+    x = torch.randn(m, 700, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ dequantize(qw).double().T
+    cfg = dw.decode_wgmma_config(qw, m)
+    steps = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)  # one fragment a program
+    if cfg.block_tokens > 32:
+        pytest.skip("one codec above 32 tokens: test_gemm_within_tolerance")
+    variants = [dataclasses.replace(cfg, halves=h, fragments=f, programs=p)
+                for h in (False, True) for f in (1, 2) for p in (cfg.programs, steps // f)]
+    for c in variants:
+        out = torch.full((m, 300), float("nan"), device="cuda", dtype=torch.bfloat16)
+        y = dw.decode_wgmma(x, qw, config=c, out=out)
+        assert torch.isfinite(y).all(), c
+        assert float((y.double() - ref).norm() / ref.norm()) <= tol, c
 
 
 @pytest.mark.gpu

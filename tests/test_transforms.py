@@ -51,6 +51,25 @@ def test_hadamard_input_against_the_reference(k, dtype, with_norm):
 
 
 # ------------------------------------------------------------------ the in-register Hadamard
+def test_halves_order_stores_each_value_twice_in_the_halves_codecs_columns():
+    """The halves codec's x' (decode_wgmma's HALVES): T column 16 q + 8 a + s of a 128-block at
+    MMA columns 128 a + 16 s + 8 (q % 2) + 2 (q // 2) + e of its 256, e = 0, 1 (the two halves of
+    one weight take the same x'), with the same scales as the plain order."""
+    from escha.kernels.transforms import prepare_input
+    g = torch.Generator().manual_seed(3)
+    qw = random_qweight(64, 300, 2, seed=1, device=DEV)
+    x = torch.randn(3, 300, generator=g).to(DEV, torch.bfloat16)
+    plain, inv = hadamard_input(x, qw)
+    halves, inv_h, _ = prepare_input(x, qw, halves=True, keep=False)
+    assert torch.equal(inv_h, inv) and halves.shape == (3, 2 * qw.padded_shape[1])
+    q, a, s, e = torch.meshgrid(*(torch.arange(n) for n in (8, 2, 8, 2)), indexing="ij")
+    mma = (128 * a + 16 * s + 8 * (q % 2) + 2 * (q // 2) + e).flatten()
+    t_col = (16 * q + 8 * a + s).flatten()
+    want = torch.empty(3, halves.shape[1] // 256, 256, dtype=torch.float16, device=DEV)
+    want[:, :, mma.to(DEV)] = plain.view(3, -1, 128)[:, :, t_col.to(DEV)]
+    assert torch.equal(halves.view(3, -1, 256).view(torch.int16), want.view(torch.int16))
+
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 

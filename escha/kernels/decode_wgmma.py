@@ -21,6 +21,13 @@ row is one 16-weight window sequence, so the thread needs just two 64-bit row wi
 row (``pack_words``), and register pairs (e = 0, 1) hold columns s and s + 8, which at K = 2 are
 the high and low halves of one funnel shift (``_pair_values``).
 
+The halves codec (``halves``, the rule's at K = 2 and 8 tokens): 3INST's value is the fp16 sum
+of the two halves of a 32-bit word. Here a register pair holds those two halves of one weight
+and x' is stored twice (the input transform's HALVES order), so the tensor core forms
+lo x + hi x and the prmt, prmt, add.f16x2 of each pair of weights go; each step runs two MMAs a
+fragment. Its weight is the unrounded lo + hi, within half an fp16 ulp of the codec's value (the
+tolerance table's 2**-11 weight term); dequantize stays bit-exact.
+
 Words are repacked once per weight (``pack_words``: 64 bits per tile row, 2x the trellis at
 K = 2, 1.33x at K = 3) so that a thread's words are two 16-byte shared-memory loads; TMA brings
 each step's words with its activation tile, STAGES steps ahead of their use.
@@ -230,6 +237,42 @@ def _state_values(sa, sb):
                                      is_pure=True, pack=1)
 
 
+# The halves codec: the lop3 word's two fp16 halves (lo, hi) are one A register pair, multiplied
+# by the same x' (stored twice, transforms' HALVES order), so the tensor core forms lo x + hi x
+# and the prmt, prmt, add.f16x2 of the exact codec go. Its weight is the unrounded lo + hi,
+# within half an fp16 ulp of T = fp16(lo + hi).
+_HALVES_TAIL = """
+        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        mov.b32 {$0, $1}, xa;
+        mov.b32 {$2, $3}, xb;
+        }"""
+_PAIR_HALVES_ASM = gl.constexpr("""{
+        .reg .b32 sa, xa, xb;
+        mul.hi.u32 sa, $4, 65536;
+        mad.lo.u32 xa, sa, 89226354, 64248484;
+        mad.lo.u32 xb, $4, 89226354, 1584945828;
+        mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _HALVES_TAIL)
+_STATE_HALVES_ASM = gl.constexpr("""{
+        .reg .b32 xa, xb;
+        mad.lo.u32 xa, $4, 89226354, 64248484;
+        mad.lo.u32 xb, $5, 89226354, 64248484;""" + _HALVES_TAIL)
+
+
+@gluon.jit
+def _pair_halves(t):
+    """(lo, hi) fp16 halves of columns c and c + 8 of a K=2 tile row, t = funnel(hi, lo, 2c)."""
+    return gl.inline_asm_elementwise(_PAIR_HALVES_ASM, "=h,=h,=h,=h,r", [t], dtype=(gl.float16,) * 4,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _state_halves(sa, sb):
+    """(lo, hi) fp16 halves of the 3INST values of two states."""
+    return gl.inline_asm_elementwise(_STATE_HALVES_ASM, "=h,=h,=h,=h,r,r", [sa, sb], dtype=(gl.float16,) * 4,
+                                     is_pure=True, pack=1)
+
+
 # The register layouts of the decode, shared by the GEMM and the fragment test kernel (so the
 # test reads exactly what the GEMM multiplies). FRAGMENT_LAYOUT views a 64 x 128 A fragment as
 # [warp, row half, g, s, h, t, e] (``_decode_fragment``); WORDS_LAYOUT holds a thread's 8 words
@@ -285,9 +328,39 @@ def _word_row(tile, kb, NKB, FRAGS: gl.constexpr):
 
 
 @gluon.jit
+def _halves(w, BITS: gl.constexpr, L7: gl.constexpr):
+    """The halves of a fragment's weights from the words ``w`` of a step, over [warp, row half, g,
+    s, h, t]: (a_lo, a_hi) of tile column s and (b_lo, b_hi) of column s + 8."""
+    W6: gl.constexpr = gl.SliceLayout(6, L7)
+    W5: gl.constexpr = gl.SliceLayout(3, W6)
+    hi, lo = gl.split(w)
+    hi = gl.expand_dims(gl.convert_layout(hi, W5), 3).to(gl.uint32, bitcast=True)
+    lo = gl.expand_dims(gl.convert_layout(lo, W5), 3).to(gl.uint32, bitcast=True)
+    v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [4, 2, 8, 1, 2, 4]
+    s = _iota(8, 3, 6, W6).to(gl.uint64)
+    if BITS == 2:
+        t = ((v << (2 * s)) >> 32).to(gl.uint32)
+        return _pair_halves(t)
+    else:
+        sa = ((v >> (48 - BITS * s)) & 0xFFFF).to(gl.uint32)
+        sb = ((v >> (48 - BITS * (s + 8))) & 0xFFFF).to(gl.uint32)
+        return _state_halves(sa, sb)
+
+
+@gluon.jit
+def _decode_halves(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """The two [64, 128] fp16 A operands of the halves codec: columns s (and s + 8) of each tile
+    row, each register pair (e = 0, 1) the (lo, hi) halves of one weight."""
+    a_lo, a_hi, b_lo, b_hi = _halves(w, BITS, L7)
+    a = gl.convert_layout(gl.reshape(gl.join(a_lo, a_hi), [64, 128]), A_LAYOUT, assert_trivial=True)
+    b = gl.convert_layout(gl.reshape(gl.join(b_lo, b_hi), [64, 128]), A_LAYOUT, assert_trivial=True)
+    return a, b
+
+
+@gluon.jit
 def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
-                         PDL: gl.constexpr):
+                         HALVES: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's STEPS = row tiles x NKB steps (flat index tile * NKB + k-block; a tile is 64
     FRAGS weight rows), each z^T[64 FRAGS rows, BN tokens] += T_blk x'^T_blk.
@@ -302,8 +375,10 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     blocks are consecutive rows of pack_words: one box) arrive by TMA on one mbarrier, STAGES
     steps ahead of their use, across tile boundaries, so the loop never waits on global memory.
     The loop carries its (tile, k-block) and the refill's, and its ring stage and phase, as
-    counters: no division by NKB inside it. With FRAGS = 2 the warpgroup decodes two 64-row fragments per step against the
-    same activation tile (the second decode overlaps the first fragment's MMA).
+    counters: no division by NKB inside it. With FRAGS = 2 the warpgroup decodes two 64-row
+    fragments per step against the same activation tile (the second decode overlaps the first
+    fragment's MMA). With HALVES each fragment takes two A operands (the halves of columns s and
+    s + 8) against the two copies of x' (two activation tiles a step).
 
     With PDL (programmatic dependent launch) the program starts while the input transform runs:
     it fetches its first STAGES word blocks, which no kernel writes, then waits for x'. It
@@ -319,7 +394,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     L7: gl.constexpr = FRAGMENT_LAYOUT
     WL: gl.constexpr = WORDS_LAYOUT
 
-    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, 128], x_desc.layout)
+    NX: gl.constexpr = 2 if HALVES else 1  # activation tiles [BN, 128] a step (halves: x' twice)
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NX, BN, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
     # The same bytes as TMA fills them, one [8 FRAGS, 128] box a stage (unswizzled: row-major).
     w_box = w_smem._reinterpret(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
@@ -329,7 +405,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     fence_async_shared()
 
     row0 = tb * BN
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    nbytes: gl.constexpr = NX * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     tile = s0 // NKB  # the step being read, as (tile, k-block); then advanced without dividing
     kb = s0 - tile * NKB
     t_in = tile  # the step being fetched
@@ -344,7 +420,9 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         _grid_dependency(_WAIT_ASM)
     kb_x = kb
     for i in gl.static_range(STAGES):
-        tma_async_load(x_desc, [row0, kb_x * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        for hx in gl.static_range(NX):
+            tma_async_load(x_desc, [row0, (kb_x * NX + hx) * 128], bars.index(i), x_smem.index(i * NX + hx),
+                           pred=i < n)
         kb_x += 1
         kb_x = gl.where(kb_x == NKB, 0, kb_x)
 
@@ -354,23 +432,43 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     phase = 0
     for i in range(n):
         carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
-        mbarrier.wait(bars.index(stage), phase)
-        xs = x_smem.index(stage).permute((1, 0))
-        # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
-        w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
-        a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
-        acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
-        if FRAGS == 2:
-            w1 = w_smem.index(stage * FRAGS + 1).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
-            a1 = _decode_fragment(w1, BITS, L7, A_LAYOUT)
-            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
-            acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
+        xs = x_smem.index(stage * NX).permute((1, 0))
+        if HALVES:
+            mbarrier.wait(bars.index(stage), phase)
+            # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
+            w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+            xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
+            a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT)
+            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
+            acc0 = warpgroup_mma(b0, xs1, acc0, is_async=True)
+            # One fragment's operands in registers at a time: two fragments' (128 registers)
+            # pushed the build to 231 registers and a hundred more moves a step (offline census).
+            acc0, a0, b0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0))
+            if FRAGS == 2:
+                w1 = w_smem.index(stage * FRAGS + 1).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+                a1, b1 = _decode_halves(w1, BITS, L7, A_LAYOUT)
+                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
+                acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
+                acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
         else:
-            acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
+            mbarrier.wait(bars.index(stage), phase)
+            # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
+            w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+            a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
+            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
+            if FRAGS == 2:
+                w1 = w_smem.index(stage * FRAGS + 1).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+                a1 = _decode_fragment(w1, BITS, L7, A_LAYOUT)
+                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
+                acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
+            else:
+                acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
-        tma_async_load(x_desc, [row0, kb_in * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
+        for hx in gl.static_range(NX):
+            tma_async_load(x_desc, [row0, (kb_in * NX + hx) * 128], bars.index(stage), x_smem.index(stage * NX + hx),
+                           pred=j < n)
         tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
                        pred=j < n)
         kb_in += 1
@@ -451,19 +549,21 @@ class DecodeWgmmaConfig:
     dependent_launch: bool  # the three kernels as programmatic dependents (common.dependent_launch_supported)
     early_start: bool  # with dependent_launch: the GEMM launches as the input transform starts, not as it ends
     max_registers: int | None = None  # ptxas's register cap per thread (None: its own choice)
+    halves: bool = False  # the halves codec: weights lo + hi unrounded, two MMAs a fragment and step
 
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
 #: sm_90a build of the rule's variant (tests/test_decode_wgmma.py checks it against the compiler).
-PROGRAMS_PER_SM = {(2, 8): 4, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
+PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
                    (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 3, (3, 128): 2}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
-    """The rule: tokens padded to a power of two >= 8 (at most 128 per program); two fragments
-    (128 rows) per program up to 32 tokens, one above; an activation ring 3 deep, 2 at 64 tokens
-    so that 4 programs fit an SM (``rule_variant``); one wave of programs, as many as the SMs
+    """The rule: tokens padded to a power of two >= 8 (at most 128 per program); at K=2 and 8
+    tokens the halves codec with one fragment (64 rows) per program, else two fragments (128
+    rows) up to 32 tokens and one above; an activation ring 3 deep, 2 at 64 tokens so that 4
+    programs fit an SM (``rule_variant``); one wave of programs, as many as the SMs
     hold at once (PROGRAMS_PER_SM), shared among the token blocks, each program at least
     MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
     GEMM starting early (as the input transform starts). Measured on the H200 (note at the end
@@ -480,15 +580,19 @@ def config_with_programs(qw: QuantizedWeight, m: int, programs: int | None,
     return _config(*qw.padded_shape, qw.bits, m, programs, device)
 
 
-def rule_variant(m: int) -> tuple[int, int, int]:
-    """(block_tokens, fragments, stages) the rule takes for m tokens, for any weight: tokens
-    padded to a power of two from 8 to MAX_TOKENS, two fragments up to 32 tokens, a ring of 2 at
-    64 tokens and of 3 elsewhere (module note)."""
+def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
+    """(block_tokens, fragments, stages, halves) the rule takes for m tokens of a K=bits weight,
+    whatever its shape: tokens padded to a power of two from 8 to MAX_TOKENS; the halves codec
+    with one fragment at K=2 and 8 tokens; else two fragments up to 32 tokens; a ring of 2 at 64
+    tokens and of 3 elsewhere (module note)."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
-    return block_tokens, 2 if block_tokens <= 32 else 1, 2 if block_tokens == 64 else 3
+    halves = bits == 2 and block_tokens == 8
+    fragments = 2 if block_tokens <= 32 and not halves else 1
+    return block_tokens, fragments, 2 if block_tokens == 64 else 3, halves
 
 
-def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True):
+def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True,
+                halves: bool = False):
     """The GEMM kernel specialized as a launch with these settings specializes it (16-byte
     aligned partials), for ``triton.compile`` on a machine without a GPU (the tests' and the
     census's sm_90a builds)."""
@@ -496,10 +600,11 @@ def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: 
     sig = {"x_desc": f"tensordesc<fp16[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
            "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr",
+           "HALVES": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_wgmma_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
-                                      "PDL": pdl},
+                                      "HALVES": halves, "PDL": pdl},
                           attrs={(2,): [["tt.divisibility", 16]]})
 
 
@@ -508,7 +613,7 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
             device: torch.device | None) -> DecodeWgmmaConfig:
     """config_with_programs for a K=bits weight of padded shape (np_, kp): kept per argument set,
     since every decode call asks for it."""
-    block_tokens, fragments, stages = rule_variant(m)
+    block_tokens, fragments, stages, halves = rule_variant(m, bits)
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
     tiles = np_ // (FRAGMENT_ROWS * fragments)
@@ -521,7 +626,7 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
         raise ValueError(f"programs must be 1..{steps} (row tiles x k-blocks), got {programs}")
     return DecodeWgmmaConfig(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
-                             early_start=True)
+                             early_start=True, halves=halves)
 
 
 def segment_counts(programs: int, tiles: int, kblocks: int, fragments: int,
@@ -589,18 +694,19 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     plan = packed.plans.get(key)
     if plan is not None:
         segs, pin, pgemm, pout = plan
-        xq = torch.empty((m, kp), dtype=torch.float16, device=x.device)
+        kx = 2 * kp if cfg.halves else kp
+        xq = torch.empty((m, kx), dtype=torch.float16, device=x.device)
         inv = torch.empty((m,), dtype=torch.float32, device=x.device)
         ws = torch.empty((segs, m, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
         y = output_tensor(x, m, qw.out_features, out)
         pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
-        pgemm.run(TensorDescriptor(xq, [m, kp], [kp, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
+        pgemm.run(TensorDescriptor(xq, [m, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
                   ws)
         pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
         return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
-                                 release_early=pdl and cfg.early_start, norm=norm)
+                                 release_early=pdl and cfg.early_start, norm=norm, halves=cfg.halves)
     ws, counts, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
     y = output_tensor(x, m, qw.out_features, out)
     pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
@@ -612,7 +718,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight,
                   cfg: DecodeWgmmaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM kernel alone: fp32 partials z^T [segments, M, Np] of x' (``hadamard_input(...,
-    mma_order=True)``'s fp16 output, [M, Kp]) against the weight's words, and how many of them
+    mma_order=True, halves=cfg.halves)``'s fp16 output, [M, Kp], or [M, 2 Kp] with halves) against the weight's words, and how many of them
     each 64-row group has (``hadamard_output``'s ``segments``; the others are left unwritten).
     The middle of the three launches of a call; the benchmarks also time it by itself."""
     return _gemm(xq, qw, cfg, _packed(qw), keep=False)[:2]
@@ -624,6 +730,9 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     prepared when ``keep``)."""
     m = xq.shape[0]
     np_, kp = qw.padded_shape
+    if xq.shape[1] != (2 * kp if cfg.halves else kp):
+        raise ValueError(f"x' has {xq.shape[1]} columns; this configuration (halves={cfg.halves}) reads "
+                         f"{2 * kp if cfg.halves else kp}: build it with hadamard_input(..., halves={cfg.halves})")
     nkb = kp // BLOCK_K
     tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
     programs = min(cfg.programs, tiles * nkb)
@@ -635,8 +744,8 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
     args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
-                    PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch,
-                    maxnreg=cfg.max_registers)
+                    HALVES=cfg.halves, PDL=cfg.dependent_launch, num_warps=4,
+                    launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr") if keep else None,
                              **settings)
 
@@ -654,6 +763,13 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # program an SM, decode and MMAs in series, and two blocks of 128 (each weight decoded twice)
 # ran gate_up / down / 8B q/k/v / 8B down at 256 tokens in 123.3 / 67.7 / 41.4 / 85.2 µs against
 # 186.2 / 101.6 / 71.3 / 122.4. Stages: 3 elsewhere.
+# Codec (benchmarks/results/decode_next_ab, one process): at 8 tokens the halves codec with one
+# fragment, 5 an SM, ran gate_up / down / 8B down in 33.5 / 20.3 / 24.1 µs at M=1 and 35.4 / 21.7
+# / 25.7 at M=8, against the exact codec's two fragments 34.4 / 21.6 / 25.0 and 35.5 / 22.8 / 26.4
+# (0.3-6% faster; with two fragments 2% faster). At 16-32 tokens it lost (gate_up M=16 38.2
+# against 37.6, M=32 51.6 against 41.7): each step's second MMA and activation tile outweigh the
+# integer work it saves (3.98 against 4.85 integer ops a weight at 8 tokens, offline census).
+# K=3 was not timed with it and keeps the exact codec.
 # Grid: the kernel used to split each row tile's k-range into whole slices (tiles x split
 # programs); ncu found the last, partial wave idle (gate_up M=8: 816 programs against 528 a wave,
 # decode_wgmma_ncu_h200.txt), and an early start lost up to 1.6x on such grids. With the even

@@ -44,11 +44,12 @@ def _normed(x, nw_ptr, k, mask, rstd, NORM: tl.constexpr, X_DTYPE: tl.constexpr)
 @triton.jit
 def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
-                            MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
+                            MMA_ORDER: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr,
                             RELEASE_EARLY: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
-    MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order). With PDL
+    MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order); with
+    HALVES, in the halves codec's order, each value twice (256 columns a block). With PDL
     and RELEASE_EARLY the GEMM that reads x' is released at once, so it can fetch its weights
     while this runs; without RELEASE_EARLY it launches as this kernel's programs exit. With NORM
     the row first goes through the RMSNorm that precedes the layer (weight ``nw``, ``eps``), as
@@ -102,14 +103,23 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
     # flips and +-1 products are exact, the sums fp32.
     xs = _normed(xt, nw_ptr, k, k < K_in, rstd, NORM, X_DTYPE) * sv
     h = (hadamard128(xs) * INV_SQRT_HAD) * scale
-    if MMA_ORDER:
-        # T column 16 q + c of a 128-block sits at MMA column 16 (c % 8) + 8 (q % 2) + 2 (q // 2)
-        # + c // 8 (the inverse of decode_wgmma.mma_column_order): a permutation of the column
-        # index's bits, (q2 q1 q0 c3 c2 c1 c0) -> (c2 c1 c0 q0 q2 q1 c3). The tile is permuted in
-        # registers and stored contiguously: 16-byte stores, where scattering 2-byte ones cost
-        # the kernel up to 4x its time at 64 tokens (H200).
-        h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 5, 6, 7, 3, 1, 2, 4)), [CH, 128])
-    tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float16), mask=k < Kp)
+    if HALVES:
+        # T column 16 q + 8 a + s sits at MMA columns 2 (64 a + 8 s + 4 (q % 2) + q // 2) + e,
+        # e = 0, 1 (the weight's low and high halves): bits (c3 c2 c1 c0 q0 q2 q1), then twice.
+        h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 4, 5, 6, 7, 3, 1, 2)), [CH, 128])
+        k2 = b * 256 + tl.arange(0, 256)[None, :]
+        tl.store(xq_ptr + m.to(tl.int64) * (2 * Kp) + k2, round_to(tl.reshape(tl.join(h, h), [CH, 256]), tl.float16),
+                 mask=k2 < 2 * Kp)
+    else:
+        if MMA_ORDER:
+            # T column 16 q + c of a 128-block sits at MMA column 16 (c % 8) + 8 (q % 2) + 2 (q // 2)
+            # + c // 8 (the inverse of decode_wgmma.mma_column_order): a permutation of the column
+            # index's bits, (q2 q1 q0 c3 c2 c1 c0) -> (c2 c1 c0 q0 q2 q1 c3). The tile is permuted in
+            # registers and stored contiguously: 16-byte stores, where scattering 2-byte ones cost
+            # the kernel up to 4x its time at 64 tokens (H200).
+            h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 5, 6, 7, 3, 1, 2, 4)),
+                           [CH, 128])
+        tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float16), mask=k < Kp)
 
 
 #: Programs an input transform aims at: one a streaming multiprocessor of an H100/H200 (132).
@@ -136,7 +146,7 @@ def input_blocks_per_program(m: int, blocks: int, parallel: bool = True) -> int:
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
                   dependent_launch: bool = False, release_early: bool = False,
                   norm: RowNorm | None = None,
-                  keep: bool = True) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+                  keep: bool = True, halves: bool = False) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
     """``hadamard_input``, and with ``keep`` its launch prepared to run again (``common.Prepared``;
     per-call tensors ``INPUT_SLOTS``: x, x', 2**-e and the norm's weight, which is x when there is
     none)."""
@@ -147,7 +157,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
                          f"to be applied in the input transform")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
-    out = torch.empty((m, kp), dtype=torch.float16, device=x2d.device)
+    out = torch.empty((m, 2 * kp if halves else kp), dtype=torch.float16, device=x2d.device)
     inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
@@ -157,7 +167,8 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     args = (x2d, qw.sv, out, inv_scale, x2d if norm is None else norm.weight,
             0.0 if norm is None else norm.eps, qw.in_features, kp, x2d.stride(0), x2d.stride(1))
     settings = dict(CH=ch, AMAX_BLOCK=amax_block, AMAX_STEPS=triton.cdiv(qw.in_features, amax_block),
-                    MMA_ORDER=mma_order, PDL=dependent_launch, RELEASE_EARLY=release_early, NORM=norm is not None,
+                    MMA_ORDER=mma_order or halves, HALVES=halves, PDL=dependent_launch, RELEASE_EARLY=release_early,
+                    NORM=norm is not None,
                     X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4, launch_pdl=dependent_launch)
     return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS if keep else None,
                                    **settings)
@@ -165,7 +176,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
 
 def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
                    dependent_launch: bool = False, release_early: bool = False,
-                   norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   norm: RowNorm | None = None, halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [M, in] (fp16/bf16/fp32, any strides) -> (x' * 2**e as fp16 [M, Kp], 2**-e fp32 [M]).
 
     x' = Hk (sv * pad(x)) row by row, as escha.format.input_transform, scaled per row by a power of
@@ -173,8 +184,10 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
     ``dependent_launch`` launches as a programmatic dependent (common.dependent_launch_supported);
     ``release_early`` then lets the next kernel launch at once rather than as this one's programs exit.
     ``norm`` (its weight of x's dtype) applies the RMSNorm before the layer first (``RowNorm.fusable``).
+    ``halves`` stores the halves codec's order instead (decode_wgmma's HALVES): each value twice,
+    [M, 2 Kp].
     """
-    return prepare_input(x2d, qw, mma_order, dependent_launch, release_early, norm, keep=False)[:2]
+    return prepare_input(x2d, qw, mma_order, dependent_launch, release_early, norm, keep=False, halves=halves)[:2]
 
 
 @triton.jit
