@@ -23,8 +23,8 @@ SHAPES = [(1, 1), (17, 130), (200, 129), (257, 300), (130, 1000)]
 MS = [1, 7, 64, 65, 130]
 # racecheck replays every shared-memory access: a smaller grid that still has ragged edges.
 if os.environ.get("ESCHA_SANITIZER_GRID") == "small":
-    # 1: the transforms' one-token tiles; 40 and 130: the register-operand GEMM's 64-token variant
-    # (one fragment, a ring of 2) and two 128-token blocks.
+    # 1: the transforms' one-token tiles; 1 and 7: the register-operand GEMM's halves codec at K=2;
+    # 40 and 130: its 64-token variant (one fragment, a ring of 2) and two 128-token blocks.
     SHAPES, MS = [(17, 130), (257, 300)], [1, 7, 40, 130]
 # Relative error bounds for bf16 outputs (docs/KERNELS.md tolerance tables): bf16 output rounding
 # (2**-9) bounds the bf16-output paths, e4m3 operand rounding the fp8 ones.
