@@ -20,7 +20,13 @@ block (more than 128 tokens) the kernel decodes it once per block, which the tab
         --out benchmarks/results/transforms_h200/census_share_df4e2ec
 
 ``--bench`` takes the times from a ``bench_decode_wgmma.py`` result instead of a sweep (its
-"wgmma" arm: the rule's whole call; any of its shapes; the clock is the GPU's maximum).
+"wgmma" arm: the rule's whole call; any of its shapes; the clock is the GPU's maximum). ``--ms``
+keeps only the points whose kernel this tree builds (a result measured before a rule change).
+
+The floor's 64 lanes are one 16-lane pipe per sub-partition. The loop's integer work is split
+about evenly between the ALU pipe (LOP3, PRMT, SHF) and the FMA pipe (IMAD), which run side by
+side, so the issue-bound time is about half this floor: ncu's issue-slot use is the direct
+measure (docs/KERNELS.md, "Counters, halves, stall reasons").
 """
 from __future__ import annotations
 
@@ -104,6 +110,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "decode_wgmma_census_share"))
     ap.add_argument("--arm", default="escha-decode-wgmma")
     ap.add_argument("--bench", help="a bench_decode_wgmma.py result json to take the times from instead")
+    ap.add_argument("--ms", help="only these M (comma-separated): the points whose kernel is this tree's")
     args = ap.parse_args()
     sass = compile_sass()
     census = {}
@@ -113,6 +120,9 @@ def main() -> None:
         census[f"K{bits}/{bn}"] = {"fragments": frags, "loop_instructions": sum(counts.values()),
                                    "int_ops": int_ops, "int_ops_per_weight": int_ops / (64 * frags), "counts": counts}
     points, meta = measured_points(args)
+    if args.ms:
+        keep = {int(v) for v in args.ms.split(",")}
+        points = [p for p in points if p[3] in keep]
     sms, clock = meta["sms"], meta["clock_hz"]
     rows = []
     for shape, n, k, m, us, bits in points:
