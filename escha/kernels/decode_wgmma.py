@@ -294,19 +294,27 @@ def _grid_dependency(ASM: gl.constexpr):
 
 
 @gluon.jit
-def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """The [64, 128] fp16 A operand (MMA column order) from the words ``w`` of _load_words.
-
-    L7 views the fragment as [warp, row half, g, s, h, t, e]: MMA row 16 warp + 8 half + g,
-    MMA column 16 s + 8 h + 2 t + e, holding tile 2t + h, column s + 8 e of that row.
-    """
+def _row_windows(w, L7: gl.constexpr):
+    """The 64-bit tile-row windows of a thread from the words ``w`` of a step, over [warp, row
+    half, g, 1, h, t] of L7, and the tile column s of each state (e = 0; s + 8 for e = 1) over its
+    dimension 3: what both codecs decode from."""
     W6: gl.constexpr = gl.SliceLayout(6, L7)
     W5: gl.constexpr = gl.SliceLayout(3, W6)
     hi, lo = gl.split(w)
     hi = gl.expand_dims(gl.convert_layout(hi, W5), 3).to(gl.uint32, bitcast=True)
     lo = gl.expand_dims(gl.convert_layout(lo, W5), 3).to(gl.uint32, bitcast=True)
     v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [4, 2, 8, 1, 2, 4]
-    s = _iota(8, 3, 6, W6).to(gl.uint64)  # column s (e = 0) / s + 8 (e = 1)
+    return v, _iota(8, 3, 6, W6).to(gl.uint64)
+
+
+@gluon.jit
+def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """The [64, 128] fp16 A operand (MMA column order) from the words ``w`` of _load_words.
+
+    L7 views the fragment as [warp, row half, g, s, h, t, e]: MMA row 16 warp + 8 half + g,
+    MMA column 16 s + 8 h + 2 t + e, holding tile 2t + h, column s + 8 e of that row.
+    """
+    v, s = _row_windows(w, L7)
     if BITS == 2:
         t = ((v << (2 * s)) >> 32).to(gl.uint32)  # funnel: states of columns s and s + 8
         va, vb = _pair_values(t)
@@ -331,13 +339,7 @@ def _word_row(tile, kb, NKB, FRAGS: gl.constexpr):
 def _halves(w, BITS: gl.constexpr, L7: gl.constexpr):
     """The halves of a fragment's weights from the words ``w`` of a step, over [warp, row half, g,
     s, h, t]: (a_lo, a_hi) of tile column s and (b_lo, b_hi) of column s + 8."""
-    W6: gl.constexpr = gl.SliceLayout(6, L7)
-    W5: gl.constexpr = gl.SliceLayout(3, W6)
-    hi, lo = gl.split(w)
-    hi = gl.expand_dims(gl.convert_layout(hi, W5), 3).to(gl.uint32, bitcast=True)
-    lo = gl.expand_dims(gl.convert_layout(lo, W5), 3).to(gl.uint32, bitcast=True)
-    v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [4, 2, 8, 1, 2, 4]
-    s = _iota(8, 3, 6, W6).to(gl.uint64)
+    v, s = _row_windows(w, L7)
     if BITS == 2:
         t = ((v << (2 * s)) >> 32).to(gl.uint32)
         return _pair_halves(t)
