@@ -464,8 +464,9 @@ def test_fit_splitk_for_the_register_operand_kernel():
     gate_up = QuantizedWeight.placeholder((17408, 5120), 2, device="meta")
     grids = fit.wgmma_grids(gate_up, 16, 132)  # 4 programs an SM at 16 tokens: a wave is 528
     assert grids == {"w0.5": 264, "w1": 528, "w1.5": 792, "w2": 1056, "w3": 1584, "t3": 408, "t6": 816, "rule": 528}
-    small = QuantizedWeight.placeholder((256, 256), 2, device="meta")  # 2 tiles x 2 k-blocks: 4 steps
-    assert fit.wgmma_grids(small, 8, 132) == {"rule": 2}
+    small = QuantizedWeight.placeholder((256, 256), 2, device="meta")  # 4 tiles of one fragment x 2 k-blocks
+    assert fit.wgmma_grids(small, 8, 132) == {"rule": 4}  # at least two k-blocks a program
+    assert fit.wgmma_grids(small, 16, 132) == {"rule": 2}  # two fragments: 2 tiles x 2 k-blocks
     table = [  # the rule best at one point, 10% behind the best at the other; a 64-token point
         {"N": 7168, "K": 5120, "M": 8, "block_tokens": 8, "us": {"w1": 20.0, "w2": 22.0, "t6": 25.0, "rule": 20.0}},
         {"N": 3584, "K": 5120, "M": 16, "block_tokens": 16, "us": {"w1": 33.0, "w2": 30.0, "rule": 33.0}},

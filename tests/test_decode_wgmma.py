@@ -274,10 +274,17 @@ def test_register_cap_reaches_the_compiler(ptx):
 def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn):
     """The rule's wave (PROGRAMS_PER_SM) is what an sm_90 SM holds of the compiled variant: 64K
     registers (allocated 8 a thread at a time, 128 threads a program) and 228 KB of shared
-    memory (1 KB of it reserved a program). A kernel change that costs registers shows here."""
+    memory (1 KB of it reserved a program). A kernel change that costs registers shows here.
+    Exact under the release the rule was measured with; under another, the table may hold fewer
+    programs than fit (Triton 3.9 builds K=3 at 32 tokens in 128 registers, 4 an SM), never more."""
+    from escha.kernels.triton_compat import TRITON_RELEASE
     shared, cubin = ptx[("res", bits, bn)]
     regs = -(-_registers(bytes.fromhex(cubin)) // 8) * 8
-    assert dw.PROGRAMS_PER_SM[(bits, bn)] == min(65536 // (128 * regs), 233472 // (shared + 1024))
+    fits = min(65536 // (128 * regs), 233472 // (shared + 1024))
+    if TRITON_RELEASE == dw.MEASURED_TRITON:
+        assert dw.PROGRAMS_PER_SM[(bits, bn)] == fits
+    else:
+        assert dw.PROGRAMS_PER_SM[(bits, bn)] <= fits
 
 
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)

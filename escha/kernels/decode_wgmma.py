@@ -59,7 +59,7 @@ from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
                      device_constant, interpreted, output_tensor, prepare)
 from .transforms import prepare_input, prepare_output
-from .triton_compat import tma_async_load
+from .triton_compat import SMEM_REINTERPRET_PUBLIC, tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
@@ -400,7 +400,10 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NX, BN, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
     # The same bytes as TMA fills them, one [8 FRAGS, 128] box a stage (unswizzled: row-major).
-    w_box = w_smem._reinterpret(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
+    if SMEM_REINTERPRET_PUBLIC:
+        w_box = w_smem.reinterpret(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
+    else:
+        w_box = w_smem._reinterpret(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -555,7 +558,10 @@ class DecodeWgmmaConfig:
 
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
-#: sm_90a build of the rule's variant (tests/test_decode_wgmma.py checks it against the compiler).
+#: sm_90a build of the rule's variant under Triton MEASURED_TRITON, the H200's release
+#: (tests/test_decode_wgmma.py checks it against the compiler; other releases may build a variant
+#: in fewer registers, never in more than the table allows).
+MEASURED_TRITON = (3, 6)
 PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
                    (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 3, (3, 128): 2}
 MIN_STEPS = 2  # k-blocks a program takes at least

@@ -11,6 +11,7 @@ import contextlib
 from typing import Iterator
 
 import triton
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 MIN_TRITON = (3, 6)
@@ -27,6 +28,11 @@ TRITON_RELEASE = _release(triton.__version__)
 # Gluon's TMA load from global to shared memory: ``async_copy_global_to_shared`` up to 3.7,
 # renamed ``async_load`` in 3.8; 3.9 keeps the old name only to raise an error.
 tma_async_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+# A shared-memory buffer viewed with another dtype, shape or layout: the private ``_reinterpret``
+# in 3.6, the public ``reinterpret`` in 3.9 (which has no ``_reinterpret``). Kernels branch on
+# this constexpr, so only the existing method is ever traced.
+SMEM_REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @contextlib.contextmanager
