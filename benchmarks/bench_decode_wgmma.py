@@ -69,8 +69,9 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     (cuobjdump registers and shared memory, offline): at 8-32 tokens the exact codec with one
     64-row fragment a program (64-95 registers: 5-8 programs an SM against two fragments' 4), and
     with two capped at 96 registers (5 an SM, 16-48 bytes of spill); where the rule takes the
-    halves codec (K=2, 8 tokens) the exact codec's two fragments at 4 an SM (the rule before) and
-    the halves codec's; elsewhere up to 32 tokens the halves codec; at 64 tokens the cap of 168 (3 an SM) and one
+    halves codec (K=2, 8 tokens) the exact codec's two fragments at 4 an SM (the rule before), the
+    halves codec's, and the rule's capped at 80 and 64 registers (6 and 8 an SM); elsewhere up to
+    32 tokens the halves codec (at 16 tokens also one fragment capped at 96 and 64); at 64 tokens the cap of 168 (3 an SM) and one
     fragment (128 registers, 3 an SM by shared memory at 3 stages, 4 at 2), above 128 tokens one
     token block of 256 (the rule takes blocks of 128)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -88,11 +89,20 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     if cfg.block_tokens == 8 and cfg.halves:  # the exact codec where the rule takes the halves one
         out["exact_f2w4"] = dataclasses.replace(cfg, halves=False, fragments=2, programs=wave(4))
         out["halves_f2w4"] = dataclasses.replace(cfg, fragments=2, programs=wave(4))
+        # More warps for a latency-bound loop: the rule's build (96 registers) capped at 80 and 64
+        # builds without spills (offline sm_90a, cuobjdump): 6 and 8 programs an SM.
+        out["halves_f1w6c80"] = dataclasses.replace(cfg, max_registers=80, programs=wave(6))
+        out["halves_f1w8c64"] = dataclasses.replace(cfg, max_registers=64, programs=wave(8))
     elif cfg.block_tokens <= 32:  # the halves codec: weights lo + hi unrounded
         out["halves"] = dataclasses.replace(cfg, halves=True)
         if cfg.block_tokens >= 16:  # 153 registers at 16 tokens, 74 KB of shared memory at 32: 3 an SM
             out["halves_w3"] = dataclasses.replace(cfg, halves=True, programs=wave(3))
         out["halves_f1w5"] = dataclasses.replace(cfg, halves=True, fragments=1, programs=wave(5))
+        if cfg.block_tokens == 16:  # one fragment: 127 registers; capped at 96 and 64 without spills
+            out["halves_f1w5c96"] = dataclasses.replace(cfg, halves=True, fragments=1, max_registers=96,
+                                                        programs=wave(5))
+            out["halves_f1w6c64"] = dataclasses.replace(cfg, halves=True, fragments=1, max_registers=64,
+                                                        programs=wave(6))
     if cfg.block_tokens == 64:
         out["cap168"] = dataclasses.replace(cfg, max_registers=168, programs=wave(3))
         out["f1w3"] = dataclasses.replace(cfg, fragments=1, programs=wave(3))

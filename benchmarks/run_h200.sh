@@ -44,13 +44,16 @@
 #                  stall reasons per issued instruction, which the text report leaves out),
 #                  an eager decode step's host synchronizations (bench_e2e.py's profiled step,
 #                  CUDA's sync debug mode), then memcheck on the full grid.
+# PHASE "variants": the register-operand decode GEMM's variants beside the rule at 1-16 tokens, K=2
+#                  (bench_decode_wgmma.py --variants: the halves codec capped at fewer registers
+#                  for more programs an SM, the exact codec's two fragments, the rule before).
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -174,6 +177,10 @@ case "$phase" in
     step e2e_eager 150 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --batches 1 --graphs none \
       --new-tokens 32 --repeats 2 --out "$out/e2e_eager_h200.json"
     step memcheck 230 env ESCHA_SANITIZER_TOOLS=memcheck benchmarks/run_sanitizer.sh "$out/sanitizer_memcheck_h200.txt"
+    ;;
+  variants)
+    step variants_k2 200 python benchmarks/bench_decode_wgmma.py --out "$out/variants_k2" --ms 1,8,16 \
+      --shapes gate_up,down,down_8b --rounds 3 --variants
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
