@@ -71,9 +71,9 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     with two capped at 96 registers (5 an SM, 16-48 bytes of spill); where the rule takes the
     halves codec (K=2, 8 tokens) the exact codec's two fragments at 4 an SM (the rule before), the
     halves codec's, and the rule's capped at 80 and 64 registers (6 and 8 an SM); elsewhere up to
-    32 tokens the halves codec (at 16 tokens also one fragment capped at 96 and 64); at 64 tokens the cap of 168 (3 an SM) and one
-    fragment (128 registers, 3 an SM by shared memory at 3 stages, 4 at 2), above 128 tokens one
-    token block of 256 (the rule takes blocks of 128)."""
+    32 tokens the halves codec (at 16 tokens also one fragment capped at 96 and 64); at 64
+    tokens the cap of 168 (3 an SM) and one fragment (128 registers, 3 an SM by shared memory at
+    3 stages, 4 at 2); above 128 tokens one token block of 256 (the rule takes blocks of 128)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     steps_f1 = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
 

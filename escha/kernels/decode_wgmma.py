@@ -58,8 +58,8 @@ from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
                      device_constant, interpreted, output_tensor, prepare)
-from .transforms import prepare_input, prepare_output
-from .triton_compat import SMEM_REINTERPRET_PUBLIC, tma_async_load
+from .transforms import input_columns, prepare_input, prepare_output
+from .triton_compat import smem_reinterpret, tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
@@ -308,6 +308,15 @@ def _row_windows(w, L7: gl.constexpr):
 
 
 @gluon.jit
+def _states(v, s, BITS: gl.constexpr):
+    """The 16-bit states of tile columns s and s + 8 (K >= 3: bits [48 - K c, 64 - K c) of the row
+    window v; K=2 takes both from one funnel shift instead, ``_pair_values``)."""
+    sa = ((v >> (48 - BITS * s)) & 0xFFFF).to(gl.uint32)
+    sb = ((v >> (48 - BITS * (s + 8))) & 0xFFFF).to(gl.uint32)
+    return sa, sb
+
+
+@gluon.jit
 def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr):
     """The [64, 128] fp16 A operand (MMA column order) from the words ``w`` of _load_words.
 
@@ -319,9 +328,7 @@ def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.const
         t = ((v << (2 * s)) >> 32).to(gl.uint32)  # funnel: states of columns s and s + 8
         va, vb = _pair_values(t)
     else:
-        sa = ((v >> (48 - BITS * s)) & 0xFFFF).to(gl.uint32)
-        sb = ((v >> (48 - BITS * (s + 8))) & 0xFFFF).to(gl.uint32)
-        va, vb = _state_values(sa, sb)
+        va, vb = _state_values(*_states(v, s, BITS))
     a = gl.reshape(gl.join(va, vb), [64, 128])
     return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
 
@@ -336,6 +343,21 @@ def _word_row(tile, kb, NKB, FRAGS: gl.constexpr):
 
 
 @gluon.jit
+def _fragment_words(w_smem, index, WL: gl.constexpr):
+    """A fragment's words of a step, from shared-memory block ``index``: [warp * 2 + row half,
+    (g, t, tile half, hi/lo)] viewed as WL's [warp, row half, g, tile half, t, hi/lo]."""
+    return w_smem.index(index).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+
+
+@gluon.jit
+def _next_step(tile, kb, NKB):
+    """The step after (tile, k-block kb): the next k-block, or the next tile's first."""
+    kb += 1
+    tile += (kb == NKB).to(gl.int32)
+    return tile, gl.where(kb == NKB, 0, kb)
+
+
+@gluon.jit
 def _halves(w, BITS: gl.constexpr, L7: gl.constexpr):
     """The halves of a fragment's weights from the words ``w`` of a step, over [warp, row half, g,
     s, h, t]: (a_lo, a_hi) of tile column s and (b_lo, b_hi) of column s + 8."""
@@ -344,9 +366,7 @@ def _halves(w, BITS: gl.constexpr, L7: gl.constexpr):
         t = ((v << (2 * s)) >> 32).to(gl.uint32)
         return _pair_halves(t)
     else:
-        sa = ((v >> (48 - BITS * s)) & 0xFFFF).to(gl.uint32)
-        sb = ((v >> (48 - BITS * (s + 8))) & 0xFFFF).to(gl.uint32)
-        return _state_halves(sa, sb)
+        return _state_halves(*_states(v, s, BITS))
 
 
 @gluon.jit
@@ -400,10 +420,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NX, BN, 128], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
     # The same bytes as TMA fills them, one [8 FRAGS, 128] box a stage (unswizzled: row-major).
-    if SMEM_REINTERPRET_PUBLIC:
-        w_box = w_smem.reinterpret(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
-    else:
-        w_box = w_smem._reinterpret(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
+    W_SMEM: gl.constexpr = w_desc.layout
+    w_box = smem_reinterpret(w_smem, gl.int32, [STAGES, 8 * FRAGS, 128], W_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -418,18 +436,16 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
         tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
-        kb_in += 1
-        t_in += (kb_in == NKB).to(gl.int32)
-        kb_in = gl.where(kb_in == NKB, 0, kb_in)
+        t_in, kb_in = _next_step(t_in, kb_in, NKB)
     if PDL:
         _grid_dependency(_WAIT_ASM)
+    t_x = tile  # the activations' k-blocks follow the words' (the tile is not needed)
     kb_x = kb
     for i in gl.static_range(STAGES):
         for hx in gl.static_range(NX):
             tma_async_load(x_desc, [row0, (kb_x * NX + hx) * 128], bars.index(i), x_smem.index(i * NX + hx),
                            pred=i < n)
-        kb_x += 1
-        kb_x = gl.where(kb_x == NKB, 0, kb_x)
+        t_x, kb_x = _next_step(t_x, kb_x, NKB)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
@@ -438,10 +454,9 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     for i in range(n):
         carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
         xs = x_smem.index(stage * NX).permute((1, 0))
+        mbarrier.wait(bars.index(stage), phase)
+        w0 = _fragment_words(w_smem, stage * FRAGS, WL)
         if HALVES:
-            mbarrier.wait(bars.index(stage), phase)
-            # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
-            w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
             xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
             a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT)
             acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
@@ -450,20 +465,15 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             # pushed the build to 231 registers and a hundred more moves a step (offline census).
             acc0, a0, b0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0))
             if FRAGS == 2:
-                w1 = w_smem.index(stage * FRAGS + 1).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
-                a1, b1 = _decode_halves(w1, BITS, L7, A_LAYOUT)
+                a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
                 acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
                 acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
                 acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
         else:
-            mbarrier.wait(bars.index(stage), phase)
-            # [warp * 2 + row half, (g, t, tile half, hi/lo)] -> WL's [warp, row half, g, tile half, t, hi/lo]
-            w0 = w_smem.index(stage * FRAGS).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
             a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
             acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
             if FRAGS == 2:
-                w1 = w_smem.index(stage * FRAGS + 1).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
-                a1 = _decode_fragment(w1, BITS, L7, A_LAYOUT)
+                a1 = _decode_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
                 acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
                 acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
             else:
@@ -476,9 +486,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                            pred=j < n)
         tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
                        pred=j < n)
-        kb_in += 1
-        t_in += (kb_in == NKB).to(gl.int32)
-        kb_in = gl.where(kb_in == NKB, 0, kb_in)
+        t_in, kb_in = _next_step(t_in, kb_in, NKB)
         if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
             # first_program(tile): the largest q with q STEPS / PROGRAMS <= tile * NKB
             seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
@@ -491,9 +499,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             gl.store(base + offs, acc0, mask=tmask)
             if FRAGS == 2:
                 gl.store(base + offs + 64, acc1, mask=tmask)
-        kb += 1
-        tile += (kb == NKB).to(gl.int32)
-        kb = gl.where(kb == NKB, 0, kb)
+        tile, kb = _next_step(tile, kb, NKB)
         stage += 1
         phase ^= (stage == STAGES).to(gl.int32)
         stage = gl.where(stage == STAGES, 0, stage)
@@ -702,7 +708,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     plan = packed.plans.get(key)
     if plan is not None:
         segs, pin, pgemm, pout = plan
-        kx = 2 * kp if cfg.halves else kp
+        kx = input_columns(kp, cfg.halves)
         xq = torch.empty((m, kx), dtype=torch.float16, device=x.device)
         inv = torch.empty((m,), dtype=torch.float32, device=x.device)
         ws = torch.empty((segs, m, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
@@ -726,8 +732,9 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight,
                   cfg: DecodeWgmmaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM kernel alone: fp32 partials z^T [segments, M, Np] of x' (``hadamard_input(...,
-    mma_order=True, halves=cfg.halves)``'s fp16 output, [M, Kp], or [M, 2 Kp] with halves) against the weight's words, and how many of them
-    each 64-row group has (``hadamard_output``'s ``segments``; the others are left unwritten).
+    mma_order=True, halves=cfg.halves)``'s fp16 output, [M, Kp], or [M, 2 Kp] with halves)
+    against the weight's words, and how many of them each 64-row group has
+    (``hadamard_output``'s ``segments``; the others are left unwritten).
     The middle of the three launches of a call; the benchmarks also time it by itself."""
     return _gemm(xq, qw, cfg, _packed(qw), keep=False)[:2]
 
@@ -738,9 +745,9 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     prepared when ``keep``)."""
     m = xq.shape[0]
     np_, kp = qw.padded_shape
-    if xq.shape[1] != (2 * kp if cfg.halves else kp):
+    if xq.shape[1] != input_columns(kp, cfg.halves):
         raise ValueError(f"x' has {xq.shape[1]} columns; this configuration (halves={cfg.halves}) reads "
-                         f"{2 * kp if cfg.halves else kp}: build it with hadamard_input(..., halves={cfg.halves})")
+                         f"{input_columns(kp, cfg.halves)}: build it with hadamard_input(..., halves={cfg.halves})")
     nkb = kp // BLOCK_K
     tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
     programs = min(cfg.programs, tiles * nkb)

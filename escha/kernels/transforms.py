@@ -143,6 +143,12 @@ def input_blocks_per_program(m: int, blocks: int, parallel: bool = True) -> int:
     return ch if parallel else 16
 
 
+def input_columns(kp: int, halves: bool = False) -> int:
+    """Columns of x' for a weight of padded input width ``kp``: twice as many in the halves
+    codec's order, which stores each value twice."""
+    return 2 * kp if halves else kp
+
+
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
                   dependent_launch: bool = False, release_early: bool = False,
                   norm: RowNorm | None = None,
@@ -157,7 +163,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
                          f"to be applied in the input transform")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
-    out = torch.empty((m, 2 * kp if halves else kp), dtype=torch.float16, device=x2d.device)
+    out = torch.empty((m, input_columns(kp, halves)), dtype=torch.float16, device=x2d.device)
     inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))

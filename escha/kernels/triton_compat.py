@@ -11,6 +11,7 @@ import contextlib
 from typing import Iterator
 
 import triton
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
@@ -30,9 +31,18 @@ TRITON_RELEASE = _release(triton.__version__)
 tma_async_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 # A shared-memory buffer viewed with another dtype, shape or layout: the private ``_reinterpret``
-# in 3.6, the public ``reinterpret`` in 3.9 (which has no ``_reinterpret``). Kernels branch on
-# this constexpr, so only the existing method is ever traced.
+# in 3.6, the public ``reinterpret`` in 3.9 (which has no ``_reinterpret``). The branch is on a
+# constexpr, so only the existing method is ever traced.
 SMEM_REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def smem_reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """``buf`` viewed as ``dtype`` [shape] in ``layout`` (the same bytes), on either release."""
+    if SMEM_REINTERPRET_PUBLIC:
+        return buf.reinterpret(dtype, shape, layout)
+    else:
+        return buf._reinterpret(dtype, shape, layout)
 
 
 @contextlib.contextmanager
