@@ -287,18 +287,27 @@ def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn):
         assert dw.PROGRAMS_PER_SM[(bits, bn)] <= fits
 
 
+def _mmas(ptx: str) -> list[tuple[str, str]]:
+    """(N, the first character of the A operand) of each fp16 wgmma: "{" for A in registers."""
+    return re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
+
+
+def _expected_bytes(ptx: str) -> set[int]:
+    """The byte counts the stages' mbarriers expect from their TMA copies (Triton 3.6 writes
+    .shared.b64, later releases .shared::cta.b64: the same state space)."""
+    return {int(v) for v in re.findall(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64\s+_,\s*\[[^]]*\],\s*(\d+)", ptx)}
+
+
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
 def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags, pdl):
     ptx = ptx[(bits, bn, frags, int(pdl))]
-    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
+    mma = _mmas(ptx)
     assert len(mma) == 8 * frags and all(int(n) == bn for n, _ in mma)
     assert all(a == "{" for _, a in mma)  # A from registers, not a shared-memory descriptor
     assert "st.shared" not in ptx  # decoded weights never go through shared memory
     assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2 * frags  # 8 words a fragment: two 16-byte loads
     # Each stage's mbarrier expects exactly the bytes its TMA copies bring (else the wait hangs).
-    # (Triton 3.6 writes .shared.b64, later releases .shared::cta.b64: the same state space.)
-    tx = {int(v) for v in re.findall(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64\s+_,\s*\[[^]]*\],\s*(\d+)", ptx)}
-    assert tx == {bn * 128 * 2 + frags * 8 * 128 * 4}
+    assert _expected_bytes(ptx) == {bn * 128 * 2 + frags * 8 * 128 * 4}
 
 
 @pytest.mark.parametrize("bits,bn,frags", HALVES_VARIANTS)
@@ -307,12 +316,11 @@ def test_halves_ptx_runs_two_register_a_mmas_a_fragment(ptx, bits, bn, frags):
     from registers, no shared-memory stores, no add.f16x2 (the tensor core sums the halves), and
     each stage's mbarrier expecting the two activation tiles and the words."""
     ptx = ptx[("halves", bits, bn, frags)]
-    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.f16\.f16\s+\{[^}]*\},\s*(\S)", ptx)
+    mma = _mmas(ptx)
     assert len(mma) == 16 * frags and all(int(n) == bn for n, _ in mma)
     assert all(a == "{" for _, a in mma)
     assert "st.shared" not in ptx and "add.f16x2" not in ptx and "add.rn.f16x2" not in ptx
-    tx = {int(v) for v in re.findall(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64\s+_,\s*\[[^]]*\],\s*(\d+)", ptx)}
-    assert tx == {2 * bn * 128 * 2 + frags * 8 * 128 * 4}
+    assert _expected_bytes(ptx) == {2 * bn * 128 * 2 + frags * 8 * 128 * 4}
 
 
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
