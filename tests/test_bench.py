@@ -638,6 +638,25 @@ def test_llm_sign_seed_configurations_and_their_spread(tmp_path):
     assert "| bits2 | 0, 1, 2 | 40.000, 45.000, 50.000 | 45.000 | 1.250x |" in (tmp_path / "r.md").read_text()
 
 
+def test_llm_tuned_configurations_and_the_targets_take_the_best_row(tmp_path):
+    """"bits3-tune256" quantizes with --tune-steps 256; the targets take the best seed-0,
+    out-of-domain row at each K (plain or tuned) and name it; in-domain rows never count."""
+    bench, res = _llm_result(["1536x576"])
+    assert bench.tune_steps("bits3-tune256") == 256 and bench.tune_steps("bits3-s1-kjv") == 0
+    assert bench.parse_config("bits2-s1-tune64-kjv") == ("bits2", 1) and bench.variant("bits2-tune64") == "-tune64"
+    with pytest.raises(ValueError, match="expected bits2"):
+        bench.parse_config("bits2-kjv-tune64")
+    rows = [{"key": "reference", "perplexity": 16.0}, {"key": "bits3", "perplexity": 22.0},
+            {"key": "bits3-tune256", "perplexity": 17.5}, {"key": "bits3-kjv", "perplexity": 17.0},
+            {"key": "bits3-s1-tune256", "perplexity": 17.1}, {"key": "mxfp4", "perplexity": 23.0}]
+    t = {x["target"]: x for x in bench.targets(rows)}
+    within = t["escha K=3 within 10% of the reference"]
+    assert within["met"] and "(bits3-tune256) 17.500" in within["detail"]
+    assert "(bits3-tune256)" in t["escha K=3 below MXFP4 and RTN int4 g64"]["detail"]
+    rows[2]["perplexity"] = 30.0  # the plain row is now the best
+    assert not bench.targets(rows)[-1]["met"] and "(bits3) 22.000" in bench.targets(rows)[-1]["detail"]
+
+
 def test_llm_models_and_a_missing_one(monkeypatch, capsys):
     bench = _script("bench_llm")
     assert set(bench.MODELS) == {"smollm2", "gemma3"} and bench.MODELS["gemma3"].assemble

@@ -46,6 +46,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="trellis encoder (default: escha.quantize's, the exact Viterbi)")
     p.add_argument("--no-hessian", action="store_true",
                    help="quantize without LDLQ (Hessians still measure the error); faster on CPU")
+    p.add_argument("--tune-steps", type=int, default=0, metavar="N",
+                   help="after quantizing, train the row scales and norm weights for N steps (one calibration "
+                        "sample each) against the reference model's next-token distributions; keeps what does "
+                        "best on held-out samples; causal LMs; needs memory for the reference and a dense "
+                        "copy of the quantized model (default 0: off)")
+    p.add_argument("--tune-lr", type=float, default=1e-3, help="Adam's learning rate on log(row scale) "
+                   "for --tune-steps (default 1e-3)")
     p.add_argument("--restart", action="store_true", help="discard partial results in OUT_DIR/.partial")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
     p.add_argument("--quiet", action="store_true",
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 skip=skip_list(args.skip, args.quantize_lm_head), seed=args.seed,
                 device=str(resolve_device(args.device, "--device")), seq_len=args.seq_len,
                 max_samples=args.samples, encoder=args.encoder, use_hessian=not args.no_hessian,
+                tune_steps=args.tune_steps, tune_lr=args.tune_lr,
                 progress=False if args.quiet else None)
             report = quantize_model(args.model_dir, args.out_dir, options, restart=args.restart,
                                     overwrite=args.overwrite)

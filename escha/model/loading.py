@@ -93,6 +93,14 @@ def load_model(model_dir: str | os.PathLike, device: torch.device | str | None =
         # The device is resolved inside the ranks' agreement, so a bad one fails every rank.
         return load_model_parallel(model_dir, device, dtype)
 
+    return finish(load_unfused(model_dir, device, dtype), model_dir)
+
+
+def load_unfused(model_dir: str | os.PathLike, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> nn.Module:
+    """``load_model`` on one process without its last step (``finish``): every quantized Linear an
+    EschaLinear of its own, the norms as modules of the model, the model in training mode. What
+    scale tuning (``escha.model.tune``) trains, and writes back to the directory."""
     model_dir = os.fspath(model_dir)
     device = resolve_device(device)
     model = escha_skeleton(model_dir, dtype)
@@ -105,8 +113,7 @@ def load_model(model_dir: str | os.PathLike, device: torch.device | str | None =
                 check_belongs(model, expected, path, name)
                 set_tensor(model, name, in_dtype(value, dtype))
     check_complete(model, model_dir)
-    model.to(device)  # buffers built on CPU (rotary tables, position ids)
-    return finish(model, model_dir)
+    return model.to(device)  # buffers built on CPU (rotary tables, position ids)
 
 
 def quantized_target(model: nn.Module, path: str, name: str, bits: int) -> EschaLinear:

@@ -9,6 +9,7 @@ import torch
 from ..devices import resolve_device
 from ..quant.quantize import check_encoder
 from .errors import ModelError
+from .tune import TuneOptions
 
 ALLOWED_BITS = (2, 3)
 # Left unquantized unless asked: the output head (its error reaches the logits undamped, and a
@@ -42,6 +43,10 @@ class QuantizeOptions:
     use_hessian: bool = True  # pass calibration Hessians to the encoder (LDLQ)
     dtype: str = "float32"  # compute dtype of the calibration forward passes
     progress: bool | None = None  # a bar on stderr: None = when stderr is a terminal
+    # Scale tuning after quantization (escha.model.tune): optimizer steps over the calibration
+    # samples (0: none) and Adam's learning rate on log(row scale). Causal LMs only.
+    tune_steps: int = 0
+    tune_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         self.skip = tuple(s for s in self.skip if s)
@@ -61,6 +66,7 @@ class QuantizeOptions:
         if self.device is not None:
             self.device = str(resolve_device(self.device))
         self.torch_dtype  # validates the name
+        self.tune  # validates the tuning settings
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -68,6 +74,11 @@ class QuantizeOptions:
         if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
             raise ModelError(f"dtype must name a torch floating dtype, got {self.dtype!r}")
         return dt
+
+    @property
+    def tune(self) -> TuneOptions:
+        """The scale-tuning settings (``escha.model.tune``)."""
+        return TuneOptions(steps=self.tune_steps, lr=self.tune_lr)
 
     @property
     def candidates(self) -> tuple[int, ...]:
@@ -82,7 +93,7 @@ class QuantizeOptions:
     def identity(self, extra: dict) -> dict:
         """Everything that changes a layer's result; partial results are reused only on a match."""
         keep = {k: v for k, v in asdict(self).items()
-                if k not in ("bpw", "bits", "device", "progress", "calib")}
+                if k not in ("bpw", "bits", "device", "progress", "calib", "tune_steps", "tune_lr")}
         return {**keep, "skip": list(self.skip), "candidates": list(self.candidates), **extra}
 
 

@@ -5,13 +5,17 @@ import json
 import os
 import shutil
 
+import torch
+
 from ..format.qweight import TENSOR_NAMES, QuantizedWeight
 from ..format.spec import FORMAT_NAME, FORMAT_VERSION
-from ..io import save_file
+from ..io import load_file, save_file
+from ..nn.linear import EschaLinear
 from .checkpoint import INDEX_NAME, CheckpointReader
 from .options import QuantizeOptions
 from .report import QuantizeReport
 from .store import PartialStore
+from .tune import norm_modules
 
 QUANT_METHOD = "escha"
 REPORT_NAME = "escha_report.json"
@@ -112,3 +116,36 @@ def clear_output(out_dir: str) -> None:
     for fname in os.listdir(out_dir):
         if is_output_file(fname):
             os.unlink(os.path.join(out_dir, fname))
+
+
+def write_tuned(out_dir: str, model) -> int:
+    """Write a tuned model's row scales and norm weights (``escha.model.tune``) back into the
+    shards of OUT_DIR, each shard rewritten atomically with every other tensor as it was; plain
+    tensors keep their stored dtype. Returns how many tensors changed."""
+    scales = {n: m.qweight.scale for n, m in model.named_modules() if isinstance(m, EschaLinear)}
+    norms = {f"{n}.weight": m.weight.detach() for n, m in norm_modules(model)}
+    with open(os.path.join(out_dir, INDEX_NAME), encoding="utf-8") as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    changed = 0
+    for name in shards:
+        path = os.path.join(out_dir, name)
+        tensors = load_file(path)
+        hit = False
+        for key, value in tensors.items():
+            if isinstance(value, QuantizedWeight) and key in scales:
+                value.scale = scales[key].to(value.scale.device, value.scale.dtype)
+                value.validate()
+                hit = True
+                changed += 1
+            elif isinstance(value, torch.Tensor) and key in norms:
+                tensors[key] = norms[key].to(value.device, value.dtype)
+                hit = True
+                changed += 1
+        if hit:
+            save_file(tensors, path, metadata={"format": "pt"})
+    return changed
+
+
+def write_report(out_dir: str, report: QuantizeReport) -> None:
+    """Rewrite OUT_DIR/escha_report.json (after scale tuning added to the report)."""
+    _write_json(os.path.join(out_dir, REPORT_NAME), report.to_json())

@@ -36,6 +36,7 @@ from .errors import ModelError
 from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions
 from .report import QuantizeReport
 from .store import PARTIAL_DIR, PartialStore, discard_partial
+from .tune import result_json, tune_directory
 
 TAIL = "tail"
 GPU_SLOW_SECONDS = 600.0  # on a GPU, runs estimated longer than this are announced
@@ -370,7 +371,7 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     escha_report.json. ``restart`` discards earlier partial results.
     """
     from .. import __version__
-    from .output import write_output
+    from .output import write_output, write_report
 
     options = options or QuantizeOptions()
     t0 = time.perf_counter()
@@ -395,6 +396,8 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         raise ModelError(f"{model_dir}: checkpoint lacks {missing[:4]}")
     _to_device(model, "", model, device)  # buffers outside the stack; layer buffers move on load
 
+    if options.tune_steps and not is_causal(model):
+        raise ModelError(f"scale tuning (--tune-steps) needs a causal language model; {type(model).__name__} is not one")
     texts = read_calibration(options.calib)
     samples = tokenize(texts, _load_tokenizer(model_dir), config.vocab_size, is_causal(model),
                        calibration_seq_len(config, options.seq_len), options.max_samples)
@@ -423,5 +426,10 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     shell_raw = {n: k for n, k in shell_keys.items() if n not in quantized and n not in tied}
     write_output(out_dir, model_dir, reader, store, shell_raw, len(stack), TAIL if tail else None,
                  bits_map, report, options)
+    if options.tune_steps:
+        del model, stack, calib, run
+        report.tune = result_json(tune_directory(model_dir, out_dir, samples.samples, options.tune, device, dtype,
+                                                 options.progress))
+        write_report(out_dir, report)
     report.total_seconds = time.perf_counter() - t0
     return report

@@ -26,6 +26,7 @@ class QuantizeReport:
     input_bytes: int | None = None
     output_bytes: int | None = None
     checkpoint_params: int | None = None
+    tune: dict | None = None  # escha.model.tune.result_json of a scale-tuning run, if one ran
 
     @property
     def params(self) -> int:
@@ -56,6 +57,13 @@ class QuantizeReport:
                          f"{self.input_bytes / self.output_bytes:.1f}x smaller")
         lines.append(f"stored bits per weight: {self.storage_bpw:.3f} over the {len(self.stats)} quantized "
                      f"Linears ({self.params:,} weights, mean K {self.mean_bits:.2f})")
+        if self.tune is not None:
+            t = self.tune
+            kept = (f"kept step {t['kept_step']}" if t["kept_step"] else
+                    "no step did better on held-out samples, so the quantized scales were kept")
+            lines.append(f"scale tuning: {t['steps']} steps over {t['scales']:,} row scales and {t['norm_weights']:,} "
+                         f"norm weights, held-out KL {t['kl_before']:.4f} -> {t['kl_after']:.4f} nats a token "
+                         f"({kept}; {t['seconds']:.0f} s)")
         whole = self.checkpoint_bpw
         if whole is not None:
             lines.append(f"stored bits per weight: {whole:.3f} over the whole checkpoint "
@@ -94,7 +102,7 @@ class QuantizeReport:
             "total_seconds": self.total_seconds, "resumed_layers": self.resumed_layers,
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
             "checkpoint_params": self.checkpoint_params, "checkpoint_bpw": self.checkpoint_bpw,
-            "layers": self.layer_rows(),
+            "tune": self.tune, "layers": self.layer_rows(),
             "linears": [{**s.to_json(), "bits": self.bits_map[s.name]} for s in self.stats],
         }
 

@@ -1,0 +1,161 @@
+"""Scale tuning (escha.model.tune, ``escha quantize --tune-steps``) on a tiny random Qwen3."""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from escha.cli import main as cli_main  # noqa: E402
+from escha.format.qweight import QuantizedWeight  # noqa: E402
+from escha.io import load_file  # noqa: E402
+from escha.model import ModelError, QuantizeOptions  # noqa: E402
+from escha.model.loading import load_unfused  # noqa: E402
+from escha.model.tune import TuneOptions, _kl, norm_modules, tune_scales  # noqa: E402
+from escha.nn.linear import EschaLinear  # noqa: E402
+from test_model import FAST, make_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    make_tiny(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("q") / "out")
+    assert cli_main(["quantize", tiny, out, "--bits", "2", *FAST]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """A tiny Qwen3 whose next-token distributions are far from uniform (weights 10x the default
+    init), quantized: its scales matter to its logits."""
+    path = tmp_path_factory.mktemp("peaked")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+                                   initializer_range=0.2)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path / "model")
+    assert cli_main(["quantize", str(path / "model"), str(path / "q"), "--bits", "2", *FAST]) == 0
+    return str(path / "model"), str(path / "q")
+
+
+def samples(n=6, length=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (1, length), generator=g) for _ in range(n)]
+
+
+def scales(model):
+    return {n: m.qweight.scale.clone() for n, m in model.named_modules() if isinstance(m, EschaLinear)}
+
+
+def set_scales(model, new):
+    for n, m in model.named_modules():
+        if isinstance(m, EschaLinear):
+            qw = m.qweight
+            m.set_qweight(QuantizedWeight(qw.trellis, qw.su, qw.sv, new[n], qw.gscale, shape=qw.shape, bits=qw.bits))
+
+
+def heldout_kl(student, teacher, ids):
+    with torch.no_grad():
+        return sum(float(_kl(student(input_ids=x).logits, teacher(input_ids=x).logits)) for x in ids) / len(ids)
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_tuning_finds_scales_it_was_moved_from(peaked, norms):
+    """Teacher: the quantized model itself; student: the same with every row scale moved by a
+    random factor exp(N(0, 0.3^2)). The optimum is known (KL 0 at the stored scales): tuning must
+    cut the KL several times and bring the scales back toward the stored ones."""
+    from escha.nn import set_matmul_path
+    teacher = load_unfused(peaked[1], "cpu", torch.float32).eval()
+    set_matmul_path(teacher, "reference")
+    student = load_unfused(peaked[1], "cpu", torch.float32)
+    good = scales(student)
+    g = torch.Generator().manual_seed(3)
+    set_scales(student, {n: (c.float() * torch.exp(0.3 * torch.randn(c.shape, generator=g))).half()
+                         for n, c in good.items()})
+
+    def scale_error():
+        return sum(float((s.float().log() - good[n].float().log()).abs().mean()) for n, s in scales(student).items())
+
+    err0 = scale_error()
+    norms_before = {n: m.weight.clone() for n, m in norm_modules(student)}
+    ids = samples()
+    res = tune_scales(student, teacher, ids, TuneOptions(steps=40, lr=2e-2, norms=norms), torch.device("cpu"))
+    assert res.train_samples == 5 and res.heldout_samples == 1 and res.kept_step > 0
+    assert res.kl_after < 0.25 * res.kl_before, res.curve
+    assert scale_error() < 0.9 * err0
+    # The model as the file would store it (fp16 scales, EschaLinear forward) has the KL the run kept.
+    set_matmul_path(student, "reference")
+    assert heldout_kl(student, teacher, ids[-1:]) == pytest.approx(res.kl_after, rel=0.05, abs=1e-3)
+    moved = [not torch.equal(m.weight, norms_before[n]) for n, m in norm_modules(student)]
+    assert any(moved) if norms else not any(moved)
+    assert all(isinstance(m, EschaLinear) for n, m in student.named_modules() if n.endswith("proj"))
+
+
+def test_zero_steps_and_no_gain_leave_the_model_as_it_was(peaked):
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(peaked[0]).eval()
+    student = load_unfused(peaked[1], "cpu", torch.float32)
+    before = scales(student)
+    norms = {n: m.weight.clone() for n, m in norm_modules(student)}
+    res = tune_scales(student, teacher, samples(), TuneOptions(steps=0), torch.device("cpu"))
+    assert res.kept_step == 0 and res.kl_after == res.kl_before and res.curve == [(0, res.kl_before)]
+    # The quantized model as its own teacher: it starts at the optimum (KL ~0), every step can only
+    # do worse on the held-out sample, so nothing is kept.
+    from escha.nn import set_matmul_path
+    itself = load_unfused(peaked[1], "cpu", torch.float32).eval()
+    set_matmul_path(itself, "reference")
+    res = tune_scales(student, itself, samples(), TuneOptions(steps=3, lr=1e-2), torch.device("cpu"))
+    assert res.kl_before < 1e-5
+    assert res.kept_step == 0 and all(kl > res.kl_before for _, kl in res.curve[1:]), res.curve
+    for n, c in scales(student).items():
+        assert torch.equal(c, before[n]), n
+    for n, m in norm_modules(student):
+        assert torch.equal(m.weight, norms[n]), n
+        assert not m.weight.requires_grad
+
+
+def test_cli_writes_tuned_scales_and_norms_back(tiny, quantized, tmp_path):
+    out = str(tmp_path / "tuned")
+    assert cli_main(["quantize", tiny, out, "--bits", "2", "--tune-steps", "8", "--tune-lr", "1e-2", *FAST]) == 0
+    with open(os.path.join(out, "escha_report.json")) as f:
+        tune = json.load(f)["tune"]
+    assert tune["steps"] == 8 and tune["kl_after"] <= tune["kl_before"]
+    assert tune["scales"] > 0 and tune["norm_weights"] > 0
+    plain, tuned = {}, {}
+    for d, into in ((quantized, plain), (out, tuned)):
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                into.update(load_file(os.path.join(d, f)))
+    assert plain.keys() == tuned.keys()
+    changed = set()
+    for k, a in plain.items():
+        b = tuned[k]
+        if isinstance(a, QuantizedWeight):  # codes, signs and global scale are the quantizer's
+            for name in ("trellis", "su", "sv", "gscale"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (k, name)
+            if not torch.equal(a.scale, b.scale):
+                changed.add(k)
+        else:
+            assert a.dtype == b.dtype and a.shape == b.shape, k
+            if not torch.equal(a, b):
+                changed.add(k)
+    if tune["kept_step"]:
+        assert any(k.endswith("proj") for k in changed) and any("norm" in k for k in changed), changed
+        assert all(k.endswith("proj") or "norm" in k for k in changed), changed
+    else:
+        assert not changed
+    from escha.model import load_model
+    load_model(out, device="cpu")  # the rewritten shards load (validated)
+
+
+def test_bad_tuning_settings_are_one_line_errors():
+    with pytest.raises(ModelError, match="tune steps"):
+        QuantizeOptions(bits=2, tune_steps=-1)
+    with pytest.raises(ModelError, match="learning rate"):
+        QuantizeOptions(bits=2, tune_steps=4, tune_lr=0.0)
