@@ -293,7 +293,7 @@ class Bench:
         if seed is not None:
             mode += ["--seed", str(seed)]
         extra, calib_text = self.calib_args(), None
-        if tune_steps(cfg):
+        if tune_steps(cfg) is not None:
             extra += ["--tune-steps", str(tune_steps(cfg)), "--tune-lr", str(self.args.tune_lr)]
         if in_domain(cfg):
             path, tokens, pieces = self.eval_gap_text()
@@ -304,7 +304,8 @@ class Bench:
         q = self.quantize_cli(out, mode, extra)
         rep = q.pop("report")
         row = {"method": f"escha {base}" + (f" seed {seed}" if seed is not None else "")
-                         + (f", scales tuned {tune_steps(cfg)} steps (lr {self.args.tune_lr:g})" if tune_steps(cfg) else "")
+                         + (f", scales tuned {tune_steps(cfg)} steps (lr {self.args.tune_lr:g})" if tune_steps(cfg)
+                            else ", untuned" if tune_steps(cfg) == 0 else "")
                          + (", calibrated on the KJV outside the evaluation windows" if calib_text else ""),
                **({"tune": rep["tune"]} if rep.get("tune") else {}),
                "key": cfg, **({"calibration_text": calib_text} if calib_text else {}),
@@ -449,10 +450,11 @@ def in_domain(cfg: str) -> bool:
     return _match(cfg)["kjv"] is not None
 
 
-def tune_steps(cfg: str) -> int:
-    """The scale-tuning steps of a configuration ("-tuneN": escha quantize --tune-steps N), or 0."""
+def tune_steps(cfg: str) -> int | None:
+    """The scale-tuning steps of a configuration ("-tuneN": escha quantize --tune-steps N; "-tune0"
+    untuned), or None: escha quantize's default (256 steps on a GPU where they fit)."""
     steps = _match(cfg)["steps"]
-    return 0 if steps is None else int(steps)
+    return None if steps is None else int(steps)
 
 
 def variant(cfg: str) -> str:
@@ -542,6 +544,21 @@ def write_markdown(res: dict, path: str) -> None:
     if t:
         lines += ["", "## Targets (issue 14)", ""]
         lines += [f"- {x['target']}: **{'met' if x['met'] else 'missed'}** ({x['detail']})" for x in t]
+    tuned = [r for r in res["rows"] if r.get("tune")]
+    if tuned:
+        lines += ["", "## Scale tuning (escha quantize --tune-steps)", "",
+                  "Held-out KL: token-mean KL(reference || quantized) in nats on the calibration samples held out "
+                  "(one in eight), before tuning and with the parameters kept (escha.model.tune).", "",
+                  "| configuration | steps | lr | held-out KL before | kept | at step | held-out KL at each check | tuning s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in tuned:
+            t = r["tune"]
+            lines.append(f"| {r['key']} | {t['steps']} | {t['lr']:g} | {t['kl_before']:.4f} | {t['kl_after']:.4f} | "
+                         f"{t['kept_step']} | {', '.join(f'{kl:.4f}' for _, kl in t['curve'][1:])} | {t['seconds']:.0f} |")
+    sources = [r for r in res["rows"] if r.get("source")]
+    if sources:
+        lines += ["", "## Rows from other runs", ""]
+        lines += [f"- {r['method']}: {r['source']}" for r in sources]
     spread = seed_spread(res["rows"])
     if spread:
         lines += ["", "## Sign seeds (escha quantize --seed)", "",
@@ -604,7 +621,8 @@ def main() -> int:
                     help="comma-separated: reference, escha, peers, sweep")
     ap.add_argument("--configs", default="bits2,bits3,bpw2.5",
                     help="escha configurations: bits2, bits3, bpwX, each optionally -sN (sign seed N), "
-                         "-tuneN (escha quantize --tune-steps N), -kjv (calibrated on the evaluation book)")
+                         "-tuneN (escha quantize --tune-steps N; without it, escha quantize's default), -kjv "
+                         "(calibrated on the evaluation book)")
     ap.add_argument("--tune-lr", type=float, default=1e-3, help="escha quantize --tune-lr for -tuneN configurations")
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--sweep", default=SWEEP_DEFAULT, help="calibration tokens at K=2; 'default' is the bits2 run")

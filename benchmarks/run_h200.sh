@@ -13,7 +13,8 @@
 #                  tunes itself at each point, about 40 s a point.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
 # PHASE "llm-stage", then "llm" within 30 s (the machine stays warm): SmolLM2-135M's perplexity with
-#                  the shared-input quantization (benchmarks/bench_llm.py: reference, escha K=2, K=3).
+#                  the shared-input quantization (benchmarks/bench_llm.py: reference, escha K=2, K=3,
+#                  each with escha quantize's default scale tuning; "-tune0" configurations are untuned).
 #                  The GGUF is 98 MB, over one call's 64 MiB, so it travels in two ignored folders:
 #                  llm-stage carries .whl (part 0, the KJV text, gguf's wheel) and copies them to
 #                  /tmp/llm; llm carries .whl2 (part 1) and joins them.
@@ -23,7 +24,8 @@
 # PHASE "llm-kjv" (after "llm-stage", like "llm"): K=3 and K=2 calibrated on the KJV outside the
 #                  perplexity windows (configurations "-kjv": disjoint text from the evaluated book),
 #                  and at sign seed 1, beside the seed-0 rows of llm_h200_shared.json. LLM_CONFIGS
-#                  picks others (bench_llm.py --configs, e.g. bits2-s2).
+#                  picks others (bench_llm.py --configs, e.g. bits2-s2, bits3-tune256: the scale-tuning
+#                  rows of results/tune_h200/ came from LLM_CONFIGS=bits3-tune256,bits2-tune256,bits3-tune768).
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).

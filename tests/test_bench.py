@@ -642,7 +642,8 @@ def test_llm_tuned_configurations_and_the_targets_take_the_best_row(tmp_path):
     """"bits3-tune256" quantizes with --tune-steps 256; the targets take the best seed-0,
     out-of-domain row at each K (plain or tuned) and name it; in-domain rows never count."""
     bench, res = _llm_result(["1536x576"])
-    assert bench.tune_steps("bits3-tune256") == 256 and bench.tune_steps("bits3-s1-kjv") == 0
+    assert bench.tune_steps("bits3-tune256") == 256 and bench.tune_steps("bits3-tune0") == 0
+    assert bench.tune_steps("bits3-s1-kjv") is None  # escha quantize's default
     assert bench.parse_config("bits2-s1-tune64-kjv") == ("bits2", 1) and bench.variant("bits2-tune64") == "-tune64"
     with pytest.raises(ValueError, match="expected bits2"):
         bench.parse_config("bits2-kjv-tune64")
@@ -653,6 +654,14 @@ def test_llm_tuned_configurations_and_the_targets_take_the_best_row(tmp_path):
     within = t["escha K=3 within 10% of the reference"]
     assert within["met"] and "(bits3-tune256) 17.500" in within["detail"]
     assert "(bits3-tune256)" in t["escha K=3 below MXFP4 and RTN int4 g64"]["detail"]
+    rows[2]["tune"] = {"steps": 256, "lr": 1e-3, "kl_before": 0.2, "kl_after": 0.1, "kept_step": 192,
+                       "curve": [[0, 0.2], [64, 0.15], [128, 0.12], [192, 0.1], [256, 0.11]], "seconds": 60.0}
+    rows[2].update(method="escha bits3, scales tuned 256 steps", stored_bpw=3.5)
+    res["settings"]["smoke"], res["rows"] = False, [dict(r, method=r.get("method", r["key"]), stored_bpw=3.0)
+                                                    for r in rows]
+    bench.write_markdown(res, str(tmp_path / "t.md"))
+    assert "| bits3-tune256 | 256 | 0.001 | 0.2000 | 0.1000 | 192 | 0.1500, 0.1200, 0.1000, 0.1100 | 60 |" in (
+        tmp_path / "t.md").read_text()
     rows[2]["perplexity"] = 30.0  # the plain row is now the best
     assert not bench.targets(rows)[-1]["met"] and "(bits3) 22.000" in bench.targets(rows)[-1]["detail"]
 

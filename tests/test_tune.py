@@ -12,7 +12,8 @@ from escha.format.qweight import QuantizedWeight  # noqa: E402
 from escha.io import load_file  # noqa: E402
 from escha.model import ModelError, QuantizeOptions  # noqa: E402
 from escha.model.loading import load_unfused  # noqa: E402
-from escha.model.tune import TuneOptions, _kl, norm_modules, tune_scales  # noqa: E402
+from escha.model.tune import (DEFAULT_STEPS, TuneOptions, _kl, auto_steps, memory_bytes,  # noqa: E402
+                              norm_modules, tune_scales)
 from escha.nn.linear import EschaLinear  # noqa: E402
 from test_model import FAST, make_tiny  # noqa: E402
 
@@ -159,3 +160,26 @@ def test_bad_tuning_settings_are_one_line_errors():
         QuantizeOptions(bits=2, tune_steps=-1)
     with pytest.raises(ModelError, match="learning rate"):
         QuantizeOptions(bits=2, tune_steps=4, tune_lr=0.0)
+
+
+def test_default_steps_tune_on_a_gpu_where_it_fits_only():
+    """The default: DEFAULT_STEPS on CUDA when the estimate fits the free memory; never on a CPU."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    # SmolLM2-135M (measured peak 11.6 GiB on the H200 at fp32, 2048 tokens): estimated above it
+    small = memory_bytes(134_515_008, torch.float32, 2048, 49152, 30, 576, 9)
+    assert 11.6 * 2**30 < small < 40 * 2**30
+    assert auto_steps(cuda, small, 139 * 2**30) == DEFAULT_STEPS
+    assert auto_steps(cuda, small, 8 * 2**30) == 0 and auto_steps(cpu, small, None) == 0
+    # Qwen3-14B-shaped at fp32 does not fit an H200; bf16 halves the weights' part
+    big = memory_bytes(14_800_000_000, torch.float32, 2048, 151936, 40, 5120, 40)
+    assert auto_steps(cuda, big, 139 * 2**30) == 0
+    assert memory_bytes(14_800_000_000, torch.bfloat16, 2048, 151936, 40, 5120, 40) < big
+
+
+def test_quantize_module_leaves_tuning_to_quantize_model():
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256))
+    from escha.model import quantize_module
+    with pytest.raises(ModelError, match="does not tune"):
+        quantize_module(model, QuantizeOptions(bits=2, tune_steps=8))

@@ -46,11 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="trellis encoder (default: escha.quantize's, the exact Viterbi)")
     p.add_argument("--no-hessian", action="store_true",
                    help="quantize without LDLQ (Hessians still measure the error); faster on CPU")
-    p.add_argument("--tune-steps", type=int, default=0, metavar="N",
+    p.add_argument("--tune-steps", type=int, default=None, metavar="N",
                    help="after quantizing, train the row scales and norm weights for N steps (one calibration "
-                        "sample each) against the reference model's next-token distributions; keeps what does "
-                        "best on held-out samples; causal LMs; needs memory for the reference and a dense "
-                        "copy of the quantized model (default 0: off)")
+                        "sample each) against the reference model's next-token distributions, keeping what does "
+                        "best on held-out samples; causal LMs; holds the reference and a dense copy of the "
+                        "quantized model in memory (default: 256 on a GPU where that fits, else 0; 0 turns it off)")
     p.add_argument("--tune-lr", type=float, default=1e-3, help="Adam's learning rate on log(row scale) "
                    "for --tune-steps (default 1e-3)")
     p.add_argument("--restart", action="store_true", help="discard partial results in OUT_DIR/.partial")

@@ -44,8 +44,9 @@ class QuantizeOptions:
     dtype: str = "float32"  # compute dtype of the calibration forward passes
     progress: bool | None = None  # a bar on stderr: None = when stderr is a terminal
     # Scale tuning after quantization (escha.model.tune): optimizer steps over the calibration
-    # samples (0: none) and Adam's learning rate on log(row scale). Causal LMs only.
-    tune_steps: int = 0
+    # samples (0: none; None: tune.DEFAULT_STEPS on a GPU where it fits, else none) and Adam's
+    # learning rate on log(row scale). Causal LMs only.
+    tune_steps: int | None = None
     tune_lr: float = 1e-3
 
     def __post_init__(self) -> None:
@@ -78,7 +79,7 @@ class QuantizeOptions:
     @property
     def tune(self) -> TuneOptions:
         """The scale-tuning settings (``escha.model.tune``)."""
-        return TuneOptions(steps=self.tune_steps, lr=self.tune_lr)
+        return TuneOptions(steps=self.tune_steps or 0, lr=self.tune_lr)
 
     @property
     def candidates(self) -> tuple[int, ...]:

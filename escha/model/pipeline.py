@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from .errors import ModelError
 from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions
 from .report import QuantizeReport
 from .store import PARTIAL_DIR, PartialStore, discard_partial
-from .tune import result_json, tune_directory
+from .tune import DEFAULT_STEPS, auto_steps, memory_bytes, result_json, tune_directory
 
 TAIL = "tail"
 GPU_SLOW_SECONDS = 600.0  # on a GPU, runs estimated longer than this are announced
@@ -282,9 +282,14 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     """Quantize a loaded transformers model in place (its nn.Linears become EschaLinears).
 
     The same algorithm as ``quantize_model`` without the checkpoint streaming and resume; with
-    equal options and inputs the two produce identical weights.
+    equal options and inputs the two produce identical weights. Scale tuning is not part of it
+    (``tune_steps`` None or 0): it needs the reference next to the quantized model, which
+    ``quantize_model`` reads from the checkpoint (or call ``escha.model.tune.tune_scales``).
     """
     options = options or QuantizeOptions()
+    if options.tune_steps:
+        raise ModelError("quantize_module does not tune scales: quantize_model (escha quantize) does, "
+                         "or call escha.model.tune.tune_scales with the reference model")
     t0 = time.perf_counter()
     device = quantization_device(model, options)
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))
@@ -360,6 +365,24 @@ def _check_out_dir(model_dir: str, out_dir: str, overwrite: bool) -> None:
     os.makedirs(out_dir, exist_ok=True)
 
 
+def _tune_steps(options: QuantizeOptions, causal: bool, config, layers: int, params: int, seq_len: int,
+                device: torch.device) -> int:
+    """The tuning steps of this run: ``options.tune_steps`` if given, else ``tune.auto_steps`` (causal
+    LMs on a GPU where the estimate fits; a note when it does not)."""
+    if options.tune_steps is not None:
+        return options.tune_steps
+    if not causal or device.type != "cuda":
+        return 0
+    need = memory_bytes(params, options.torch_dtype, seq_len, config.vocab_size, layers,
+                        getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 0))
+    free = torch.cuda.mem_get_info(device)[0]
+    steps = auto_steps(device, need, free)
+    if not steps:
+        warnings.warn(f"scale tuning skipped: it needs about {need / 2**30:.0f} GiB of GPU memory and "
+                      f"{free / 2**30:.0f} GiB are free (--tune-steps {DEFAULT_STEPS} runs it anyway)", stacklevel=3)
+    return steps
+
+
 def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                    options: QuantizeOptions | None = None, restart: bool = False,
                    overwrite: bool = False) -> QuantizeReport:
@@ -426,9 +449,12 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     shell_raw = {n: k for n, k in shell_keys.items() if n not in quantized and n not in tied}
     write_output(out_dir, model_dir, reader, store, shell_raw, len(stack), TAIL if tail else None,
                  bits_map, report, options)
-    if options.tune_steps:
-        del model, stack, calib, run
-        report.tune = result_json(tune_directory(model_dir, out_dir, samples.samples, options.tune, device, dtype,
+    causal, layers = is_causal(model), len(stack)
+    del model, stack, calib, run  # the calibration's hidden states: free before tuning
+    tune = replace(options.tune, steps=_tune_steps(options, causal, config, layers, checkpoint_params,
+                                                   max(x.shape[-1] for x in samples.samples), device))
+    if tune.steps:
+        report.tune = result_json(tune_directory(model_dir, out_dir, samples.samples, tune, device, dtype,
                                                  options.progress))
         write_report(out_dir, report)
     report.total_seconds = time.perf_counter() - t0
