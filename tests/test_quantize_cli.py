@@ -81,6 +81,15 @@ def interrupted(linears, hessians, layer, *a, **k):
     return real(linears, hessians, layer, *a, **k)
 pipeline.quantize_linears = interrupted
 """
+# Ctrl-C while the scales are being tuned, after the model was written.
+INTERRUPT_IN_TUNING = """
+import os, signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from escha.model import pipeline
+def interrupted(*a, **k):
+    os.kill(os.getpid(), signal.SIGINT)
+pipeline.tune_directory = interrupted
+"""
 CPU_ONLY = torch.version.cuda is None and torch.version.hip is None
 
 
@@ -115,6 +124,8 @@ def runs(single, fast, tmp_path_factory):
         "gpu": (["quantize", str(single), out("gpu"), "--device", "gpu", *fast], None, None),
         "ctrl_c": (["quantize", str(single), out("ctrl_c"), "--bits", "2", *fast], INTERRUPT_AT_LAYER_1, None),
         "eval_truncated": (["eval", str(cut), "--text", str(text)], None, cut),
+        "ctrl_c_tune": (["quantize", str(single), out("ctrl_c_tune"), "--bits", "2", "--tune-steps", "4", *fast],
+                        INTERRUPT_IN_TUNING, None),
     }
     if CPU_ONLY:
         cases["cuda"] = (["quantize", str(single), out("cuda"), "--device", "cuda", *fast], None, None)
@@ -156,6 +167,15 @@ def test_device_cuda_with_a_cpu_only_torch(runs, single):
 def test_device_that_does_not_exist(runs):
     assert_one_line_error(runs["gpu"][0],
                           "escha quantize: error: --device 'gpu' is not a device; use cpu, cuda or cuda:N")
+
+
+def test_ctrl_c_while_tuning_says_the_model_is_there_untuned(runs, whole):
+    res, _, out = runs["ctrl_c_tune"]
+    assert_one_line_error(res, f"escha quantize: interrupted: {out} holds the quantized model, complete",
+                          "--overwrite", status=130)
+    ref = whole[0]
+    for f in sorted(f for f in os.listdir(ref) if f.endswith(".safetensors")):  # as written before tuning
+        assert (out / f).read_bytes() == (ref / f).read_bytes(), f
 
 
 def test_ctrl_c_says_how_to_resume_and_the_rerun_gives_the_same_bytes(runs, single, fast, whole):

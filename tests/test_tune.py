@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -12,8 +13,8 @@ from escha.format.qweight import QuantizedWeight  # noqa: E402
 from escha.io import load_file  # noqa: E402
 from escha.model import ModelError, QuantizeOptions  # noqa: E402
 from escha.model.loading import load_unfused  # noqa: E402
-from escha.model.tune import (DEFAULT_STEPS, TuneOptions, _kl, auto_steps, memory_bytes,  # noqa: E402
-                              norm_modules, tune_scales)
+from escha.model.tune import (DEFAULT_STEPS, TuneOptions, _kl, memory_bytes, norm_modules, plan,  # noqa: E402
+                              tune_scales)
 from escha.nn.linear import EschaLinear  # noqa: E402
 from test_model import FAST, make_tiny  # noqa: E402
 
@@ -162,18 +163,58 @@ def test_bad_tuning_settings_are_one_line_errors():
         QuantizeOptions(bits=2, tune_steps=4, tune_lr=0.0)
 
 
-def test_default_steps_tune_on_a_gpu_where_it_fits_only():
-    """The default: DEFAULT_STEPS on CUDA when the estimate fits the free memory; never on a CPU."""
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    # SmolLM2-135M (measured peak 11.6 GiB on the H200 at fp32, 2048 tokens): estimated above it
-    small = memory_bytes(134_515_008, torch.float32, 2048, 49152, 30, 576, 9)
-    assert 11.6 * 2**30 < small < 40 * 2**30
-    assert auto_steps(cuda, small, 139 * 2**30) == DEFAULT_STEPS
-    assert auto_steps(cuda, small, 8 * 2**30) == 0 and auto_steps(cpu, small, None) == 0
-    # Qwen3-14B-shaped at fp32 does not fit an H200; bf16 halves the weights' part
-    big = memory_bytes(14_800_000_000, torch.float32, 2048, 151936, 40, 5120, 40)
-    assert auto_steps(cuda, big, 139 * 2**30) == 0
-    assert memory_bytes(14_800_000_000, torch.bfloat16, 2048, 151936, 40, 5120, 40) < big
+def test_the_plan_tunes_by_default_on_a_gpu_where_it_fits_only():
+    """The default: DEFAULT_STEPS on CUDA in the leanest-first choice that fits 80% of the free
+    memory (the calibration dtype, then with gradient checkpointing, then bfloat16 with it);
+    never on a CPU; given steps run anyway, in the leanest choice."""
+    cuda, cpu, f32, bf16 = torch.device("cuda", 0), torch.device("cpu"), torch.float32, torch.bfloat16
+    smollm = (134_515_008, f32, 2048, 49152, 30, 576, 9)  # measured peak 11.6 GiB at fp32, not checkpointed
+    assert 11.6 * 2**30 < memory_bytes(*smollm) < 40 * 2**30
+    p = plan(None, cuda, 139 * 2**30, *smollm)
+    assert (p.steps, p.dtype, p.checkpointing) == (DEFAULT_STEPS, f32, False)
+    assert plan(None, cuda, 16 * 2**30, *smollm).checkpointing and plan(None, cuda, 16 * 2**30, *smollm).steps
+    assert plan(None, cuda, 2 * 2**30, *smollm).steps == 0
+    assert plan(None, cpu, None, *smollm).steps == 0 and plan(64, cpu, None, *smollm).steps == 64
+    qwen14 = (14_800_000_000, f32, 2048, 151936, 40, 5120, 40)
+    p = plan(None, cuda, 139 * 2**30, *qwen14)  # fp32 copies (118 GB) leave too little: bf16, checkpointed
+    assert (p.steps, p.dtype, p.checkpointing) == (DEFAULT_STEPS, bf16, True) and p.need_bytes < 0.8 * 139 * 2**30
+    assert plan(None, cuda, 40 * 2**30, *qwen14).steps == 0
+    forced = plan(32, cuda, 40 * 2**30, *qwen14)
+    assert (forced.steps, forced.dtype, forced.checkpointing) == (32, bf16, True)
+    assert memory_bytes(*qwen14, checkpointing=True) < memory_bytes(*qwen14)
+
+
+def test_checkpointing_changes_memory_not_the_result(peaked):
+    """Gradient checkpointing recomputes the same activations: the same held-out KL at every check."""
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(peaked[0]).eval()
+    curves = []
+    for ckpt in (False, True):
+        student = load_unfused(peaked[1], "cpu", torch.float32)
+        res = tune_scales(student, teacher, samples(), TuneOptions(steps=8, lr=1e-2), torch.device("cpu"),
+                          checkpointing=ckpt)
+        assert res.checkpointing == ckpt and not student.training
+        flag = "is_activation_checkpointing" if hasattr(student, "is_activation_checkpointing") else "is_gradient_checkpointing"
+        assert not getattr(student, flag)
+        curves.append([kl for _, kl in res.curve])
+    assert curves[0] == pytest.approx(curves[1], rel=1e-5)
+    assert curves[0][-1] < curves[0][0]
+    calls = []
+    for ckpt in (False, True):  # one step: two held-out checks, the step, and its recomputation
+        student = load_unfused(peaked[1], "cpu", torch.float32)
+        n = [0]
+        real = F.linear
+
+        def counted(x, w, *a):  # the down projection's dense product (module hooks miss the recompute)
+            n[0] += w.shape == (64, 160)
+            return real(x, w, *a)
+
+        F.linear = counted
+        try:
+            tune_scales(student, teacher, samples(n=2), TuneOptions(steps=1), torch.device("cpu"), checkpointing=ckpt)
+        finally:
+            F.linear = real
+        calls.append(n[0])
+    assert calls == [12, 14]  # teacher and student, two layers each: the recomputation adds the two
 
 
 def test_quantize_module_leaves_tuning_to_quantize_model():

@@ -122,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         done = _partial_layers(args.out_dir)
-        if done:
+        if not done and os.path.isfile(os.path.join(args.out_dir, "config.json")):
+            what = (f"{args.out_dir} holds the quantized model, complete, its scale tuning not finished; "
+                    "run the same command with --overwrite to quantize and tune again, or use it as it is")
+        elif done:
             what = (f"{done} finished layer(s) are kept in {os.path.join(args.out_dir, PARTIAL_DIR)}; "
                     "run the same command again to resume from them")
         else:

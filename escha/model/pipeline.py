@@ -36,7 +36,7 @@ from .errors import ModelError
 from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions
 from .report import QuantizeReport
 from .store import PARTIAL_DIR, PartialStore, discard_partial
-from .tune import DEFAULT_STEPS, auto_steps, memory_bytes, result_json, tune_directory
+from .tune import DEFAULT_STEPS, TunePlan, plan, result_json, tune_directory
 
 TAIL = "tail"
 GPU_SLOW_SECONDS = 600.0  # on a GPU, runs estimated longer than this are announced
@@ -365,22 +365,19 @@ def _check_out_dir(model_dir: str, out_dir: str, overwrite: bool) -> None:
     os.makedirs(out_dir, exist_ok=True)
 
 
-def _tune_steps(options: QuantizeOptions, causal: bool, config, layers: int, params: int, seq_len: int,
-                device: torch.device) -> int:
-    """The tuning steps of this run: ``options.tune_steps`` if given, else ``tune.auto_steps`` (causal
-    LMs on a GPU where the estimate fits; a note when it does not)."""
-    if options.tune_steps is not None:
-        return options.tune_steps
-    if not causal or device.type != "cuda":
-        return 0
-    need = memory_bytes(params, options.torch_dtype, seq_len, config.vocab_size, layers,
-                        getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 0))
-    free = torch.cuda.mem_get_info(device)[0]
-    steps = auto_steps(device, need, free)
-    if not steps:
-        warnings.warn(f"scale tuning skipped: it needs about {need / 2**30:.0f} GiB of GPU memory and "
+def _tune_plan(options: QuantizeOptions, causal: bool, config, layers: int, params: int, seq_len: int,
+               device: torch.device) -> TunePlan:
+    """How this run tunes (``tune.plan``: ``options.tune_steps``, or by default 256 steps on a GPU
+    where they fit; none for models that are not causal LMs), with a note when the default
+    skips it for memory."""
+    steps = options.tune_steps if causal or options.tune_steps else 0
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    p = plan(steps, device, free, params, options.torch_dtype, seq_len, config.vocab_size, layers,
+             getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 0))
+    if steps is None and not p.steps and free is not None:
+        warnings.warn(f"scale tuning skipped: it needs about {p.need_bytes / 2**30:.0f} GiB of GPU memory and "
                       f"{free / 2**30:.0f} GiB are free (--tune-steps {DEFAULT_STEPS} runs it anyway)", stacklevel=3)
-    return steps
+    return p
 
 
 def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
@@ -451,10 +448,11 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                  bits_map, report, options)
     causal, layers = is_causal(model), len(stack)
     del model, stack, calib, run  # the calibration's hidden states: free before tuning
-    tune = replace(options.tune, steps=_tune_steps(options, causal, config, layers, checkpoint_params,
-                                                   max(x.shape[-1] for x in samples.samples), device))
-    if tune.steps:
-        report.tune = result_json(tune_directory(model_dir, out_dir, samples.samples, tune, device, dtype,
+    tune_plan = _tune_plan(options, causal, config, layers, checkpoint_params,
+                           max(x.shape[-1] for x in samples.samples), device)
+    if tune_plan.steps:
+        report.tune = result_json(tune_directory(model_dir, out_dir, samples.samples,
+                                                 replace(options.tune, steps=tune_plan.steps), device, tune_plan,
                                                  options.progress))
         write_report(out_dir, report)
     report.total_seconds = time.perf_counter() - t0

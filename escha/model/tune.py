@@ -37,29 +37,56 @@ from ..progress import bar
 from .errors import ModelError
 
 
-#: ``escha quantize``'s default tuning steps where it tunes by default (``auto_steps``): on
+#: ``escha quantize``'s default tuning steps where it tunes by default (``plan``): on
 #: SmolLM2-135M, 256 steps took K=3 from perplexity 22.33 to 19.61 and K=2 from 44.10 to 29.92;
 #: 768 (K=3) and 512 (K=2) steps gained 0.2% and 1.3% more (benchmarks/results/tune_h200/).
 DEFAULT_STEPS = 256
 
 
+MEMORY_MARGIN = 0.8  # the share of the free device memory a plan may count on (allocator, context, temporaries)
+
+
 def memory_bytes(params: int, dtype: torch.dtype, seq_len: int, vocab: int, layers: int, hidden: int,
-                 heads: int) -> int:
+                 heads: int, checkpointing: bool = False) -> int:
     """A generous estimate of the device memory tuning takes: the reference and a dense copy of the
     model in ``dtype``, a sample's logits (float32, a few copies for the KL and its gradient) and
-    each layer's saved activations (32 per hidden unit, and eager attention's probabilities)."""
+    the layers' saved activations (32 per hidden unit, and eager attention's probabilities; with
+    ``checkpointing``, each layer's input and one layer's activations)."""
     size = torch.empty((), dtype=dtype).element_size()
     logits = 8 * seq_len * vocab * 4
-    acts = layers * seq_len * (32 * hidden + 2 * heads * seq_len) * size
+    layer = seq_len * (32 * hidden + 2 * heads * seq_len) * size
+    acts = layers * seq_len * hidden * size + layer if checkpointing else layers * layer
     return 2 * params * size + logits + acts
 
 
-def auto_steps(device: torch.device, need_bytes: int, free_bytes: int | None) -> int:
-    """``--tune-steps``' default: DEFAULT_STEPS on a CUDA device whose free memory holds
-    ``need_bytes`` (``memory_bytes``), else 0 (on a CPU tuning takes hours on a real model)."""
+@dataclass(frozen=True)
+class TunePlan:
+    """How a run tunes: its steps, the dtype of the reference and of the dense copy, whether the
+    student recomputes each layer's activations in the backward pass (transformers' gradient
+    checkpointing), and the memory that takes (``memory_bytes``)."""
+
+    steps: int
+    dtype: torch.dtype
+    checkpointing: bool
+    need_bytes: int
+
+
+def plan(steps: int | None, device: torch.device, free_bytes: int | None, params: int, dtype: torch.dtype,
+         seq_len: int, vocab: int, layers: int, hidden: int, heads: int) -> TunePlan:
+    """The leanest-first choice that fits MEMORY_MARGIN of ``free_bytes``: ``dtype`` (the
+    calibration's), then ``dtype`` with gradient checkpointing, then bfloat16 with it. ``steps``
+    None is ``--tune-steps``' default: DEFAULT_STEPS on a CUDA device where one choice fits, else
+    0 (on a CPU each step is a forward and backward pass of the whole model: hours on a real
+    one). Given steps run with the first choice that fits, or the leanest."""
+    choices = [(dtype, False), (dtype, True)] + ([(torch.bfloat16, True)] if dtype != torch.bfloat16 else [])
     if device.type != "cuda" or free_bytes is None:
-        return 0
-    return DEFAULT_STEPS if need_bytes <= free_bytes else 0
+        need = memory_bytes(params, dtype, seq_len, vocab, layers, hidden, heads)
+        return TunePlan(steps or 0, dtype, False, need)
+    for dt, ckpt in choices:
+        need = memory_bytes(params, dt, seq_len, vocab, layers, hidden, heads, ckpt)
+        if need <= MEMORY_MARGIN * free_bytes:
+            return TunePlan(DEFAULT_STEPS if steps is None else steps, dt, ckpt, need)
+    return TunePlan(0 if steps is None else steps, dt, ckpt, need)
 
 
 @dataclass(frozen=True)
@@ -92,6 +119,8 @@ class TuneResult:
     kept_step: int  # the step whose parameters were kept (0: those quantization gave)
     curve: list[tuple[int, float]]  # (step, held-out KL) at each check
     seconds: float
+    dtype: str = "float32"  # the dense copy's and the reference's
+    checkpointing: bool = False  # the student recomputed its layers' activations in the backward pass
 
 
 class _ScaledDense(nn.Module):
@@ -130,16 +159,33 @@ def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Ten
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+def _set_checkpointing(model: nn.Module, on: bool) -> None:
+    """transformers' activation checkpointing on or off, under the name this release gives it
+    (``activation_checkpointing_*``, formerly ``gradient_checkpointing_*``)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def tune_scales(student: nn.Module, teacher: nn.Module, samples: list[torch.Tensor], options: TuneOptions,
                 device: torch.device, dtype: torch.dtype = torch.float32,
-                progress: bool | None = None) -> TuneResult:
+                progress: bool | None = None, checkpointing: bool = False) -> TuneResult:
     """Train ``student``'s EschaLinear row scales (and norm weights) against ``teacher``'s logits.
 
     ``student``: a model holding EschaLinears (as ``escha.model.loading.load_unfused`` gives it),
     on ``device``; its EschaLinears get the tuned scales (fp16, as stored) and its norms the tuned
     weights, in place. ``teacher``: the reference model, on ``device``. ``samples``: token ids
-    [1, L] each (the calibration samples). Returns what happened; with ``options.steps == 0`` or
-    no gain on the held-out samples the student is left as it was.
+    [1, L] each (the calibration samples). ``dtype``: the dense copy's. ``checkpointing``: the
+    student recomputes each layer's activations in the backward pass (transformers' gradient
+    checkpointing, where the model supports it; the same gradients, less memory). Returns what
+    happened; with ``options.steps == 0`` or no gain on the held-out samples the student is left
+    as it was.
     """
     if not samples:
         raise ModelError("scale tuning needs at least one calibration sample")
@@ -182,14 +228,28 @@ def tune_scales(student: nn.Module, teacher: nn.Module, samples: list[torch.Tens
 
     @torch.no_grad()
     def heldout_kl() -> float:
+        was = student.training
+        student.eval()  # no recomputation without gradients
         total = 0.0
         for ids in heldout:
             ids = ids.to(device)
             total += float(_kl(student(input_ids=ids, **no_cache).logits, teacher(input_ids=ids, **no_cache).logits))
+        student.train(was)
+        if was:
+            for m in student.modules():
+                if isinstance(m, nn.Dropout):
+                    m.eval()
         return total / len(heldout)
 
     student.eval()
     teacher.eval()
+    checkpointing = checkpointing and bool(getattr(student, "supports_gradient_checkpointing", False))
+    if checkpointing:  # transformers recomputes layers only in training mode; no dropout here
+        _set_checkpointing(student, True)
+        student.train()
+        for m in student.modules():
+            if isinstance(m, nn.Dropout):
+                m.eval()
     try:
         with torch.enable_grad():
             best_kl = kl_before = heldout_kl()
@@ -216,6 +276,9 @@ def tune_scales(student: nn.Module, teacher: nn.Module, samples: list[torch.Tens
                             best_kl, best, best_step = kl, snapshot(), step
             restore(best)
     finally:
+        if checkpointing:
+            _set_checkpointing(student, False)
+            student.eval()
         for n, m in norms:
             m.weight.requires_grad_(False)
         for name, d in dense.items():
@@ -234,7 +297,8 @@ def tune_scales(student: nn.Module, teacher: nn.Module, samples: list[torch.Tens
     return TuneResult(steps=options.steps, lr=options.lr, train_samples=len(train), heldout_samples=len(heldout),
                       scales=sum(d.c0.numel() for d in dense.values()),
                       norm_weights=sum(m.weight.numel() for _, m in norms), kl_before=kl_before, kl_after=best_kl,
-                      kept_step=best_step, curve=curve, seconds=time.perf_counter() - t0)
+                      kept_step=best_step, curve=curve, seconds=time.perf_counter() - t0,
+                      dtype=str(dtype).replace("torch.", ""), checkpointing=checkpointing)
 
 
 def result_json(result: TuneResult) -> dict:
@@ -245,19 +309,19 @@ def result_json(result: TuneResult) -> dict:
 
 
 def tune_directory(model_dir: str, out_dir: str, samples: list[torch.Tensor], options: TuneOptions,
-                   device: torch.device, dtype: torch.dtype = torch.float32,
-                   progress: bool | None = None) -> TuneResult:
+                   device: torch.device, tune_plan: TunePlan, progress: bool | None = None) -> TuneResult:
     """Tune the model ``escha quantize`` wrote to ``out_dir`` against the reference in
-    ``model_dir`` (``tune_scales``) and write the kept scales and norm weights back into its
-    shards (``output.write_tuned``)."""
+    ``model_dir`` (``tune_scales``, in the plan's dtype and checkpointing) and write the kept
+    scales and norm weights back into its shards (``output.write_tuned``)."""
     from transformers import AutoModelForCausalLM
 
     from .loading import load_unfused
     from .output import write_tuned
 
+    dtype = tune_plan.dtype
     teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).to(device)
     student = load_unfused(out_dir, device, dtype)
-    result = tune_scales(student, teacher, samples, options, device, dtype, progress)
+    result = tune_scales(student, teacher, samples, options, device, dtype, progress, tune_plan.checkpointing)
     if result.kept_step:
         write_tuned(out_dir, student)
     return result
