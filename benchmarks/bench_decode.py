@@ -118,6 +118,25 @@ def sass_census(kernel, cfg) -> dict:
                             getattr(kernel, "n_spills", None))
 
 
+def compile_in_child(source: str, tree: str, args: tuple[str, ...] = (), timeout: float = 1200,
+                     what: str = "the kernels"):
+    """Run ``source``, a script that compiles kernels (sm_90a, no GPU needed) and prints JSON, in a
+    fresh process with ``tree`` first on its path and without Triton's interpreter (compiling
+    Gluon and running the interpreter in one process interfere); returns its parsed output."""
+    import tempfile
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "compile_census.py")  # @jit needs a source file
+        with open(script, "w") as f:
+            f.write(source)
+        run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env,
+                             timeout=timeout, cwd=tmp)
+    if run.returncode != 0:
+        raise SystemExit(f"compiling {what} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout)
+
+
 def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
     """The instructions of a SASS listing in order, and each label's position among them.
 

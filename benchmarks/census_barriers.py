@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_decode import compile_in_child  # noqa: E402
 
 _COMPILE = r'''
 import json, re, sys
@@ -103,16 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for census_barriers.json")
     args = ap.parse_args()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "census_barriers.py")
-        with open(script, "w") as f:
-            f.write(_COMPILE)
-        run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=1200)
-    if run.returncode != 0:
-        raise SystemExit(f"compiling failed:\n{run.stderr[-3000:]}")
-    res = json.loads(run.stdout)
+    res = compile_in_child(_COMPILE, ROOT)
     import triton
     res["meta"] = {"triton": triton.__version__, "target": "sm_90a (cuda 90)"}
     for k, v in res["gemm"].items():

@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from bench_decode import INT_OPS, loop_census, opcode_counts, sass_instructions  # noqa: E402
+from bench_decode import INT_OPS, compile_in_child, loop_census, opcode_counts, sass_instructions  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
 SMS, INT_PER_CLOCK, CLOCK_HZ = 132, 64, 1.98e9
@@ -70,16 +68,7 @@ json.dump(out, sys.stdout)
 
 
 def compile_sass() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "compile_dequant_census.py")
-        with open(script, "w") as f:
-            f.write(_COMPILE)
-        run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=1200)
-    if run.returncode != 0:
-        raise SystemExit(f"compiling the kernels failed:\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout)
+    return compile_in_child(_COMPILE, ROOT)
 
 
 def program_census(sass: str) -> dict[str, int]:

@@ -33,13 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_decode import INT_OPS, loop_census  # noqa: E402
+from bench_decode import INT_OPS, compile_in_child, loop_census  # noqa: E402
 
 from escha.kernels.decode_wgmma import MAX_TOKENS, rule_variant  # noqa: E402
 
@@ -62,16 +60,8 @@ json.dump(out, sys.stdout)
 
 
 def compile_sass() -> dict[tuple[int, int, int], str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "compile_census.py")
-        with open(script, "w") as f:
-            f.write(_COMPILE.replace("VARIANTS", repr(VARIANTS)))
-        run = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=1200)
-    if run.returncode != 0:
-        raise SystemExit(f"compiling the kernel failed:\n{run.stderr[-3000:]}")
-    return {tuple(int(v) for v in k.split(",")): s for k, s in json.loads(run.stdout).items()}
+    out = compile_in_child(_COMPILE.replace("VARIANTS", repr(VARIANTS)), ROOT, what="the kernel")
+    return {tuple(int(v) for v in k.split(",")): s for k, s in out.items()}
 
 
 def token_block(m: int) -> int:

@@ -25,7 +25,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from bench_decode import opcode_counts, sass_instructions  # noqa: E402
+from bench_decode import compile_in_child, opcode_counts, sass_instructions  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "down_8b": (4096, 14336)}
 WATCH = ("STS", "LDS", "BAR", "SHFL", "HMMA", "HGMMA", "FADD", "FFMA", "FMUL", "LDG", "STG")
@@ -81,20 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--norm", action="store_true", help="the input transform with the RMSNorm fused (norm=RowNorm)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.tree), env.get("PYTHONPATH")) if p)
     ms = [int(v) for v in args.ms.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "compile_transforms_census.py")
-        with open(script, "w") as f:
-            f.write(_COMPILE)
-        run = subprocess.run([sys.executable, script, json.dumps({s: SHAPES[s] for s in args.shapes.split(",")}),
-                              json.dumps(ms), json.dumps(args.norm)], capture_output=True,
-                             text=True, env=env, timeout=1800, cwd=tmp)
-    if run.returncode != 0:
-        raise SystemExit(f"compiling the kernels failed:\n{run.stderr[-3000:]}")
+    compiled = compile_in_child(_COMPILE, args.tree, (json.dumps({s: SHAPES[s] for s in args.shapes.split(",")}),
+                                                      json.dumps(ms), json.dumps(args.norm)), timeout=1800)
     rows = []
-    for e in json.loads(run.stdout):
+    for e in compiled:
         counts = opcode_counts(sass_instructions(e["sass"])[0])
         counts.pop("NOP", None)
         rows.append({"shape": e["shape"], "M": e["M"], "kernel": e["kernel"], "num_warps": e["num_warps"],
