@@ -416,10 +416,11 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         raise ModelError(f"{model_dir}: checkpoint lacks {missing[:4]}")
     _to_device(model, "", model, device)  # buffers outside the stack; layer buffers move on load
 
-    if options.tune_steps and not is_causal(model):
+    causal = is_causal(model)
+    if options.tune_steps and not causal:
         raise ModelError(f"scale tuning (--tune-steps) needs a causal language model; {type(model).__name__} is not one")
     texts = read_calibration(options.calib)
-    samples = tokenize(texts, _load_tokenizer(model_dir), config.vocab_size, is_causal(model),
+    samples = tokenize(texts, _load_tokenizer(model_dir), config.vocab_size, causal,
                        calibration_seq_len(config, options.seq_len), options.max_samples)
     if restart:
         discard_partial(out_dir)
@@ -446,7 +447,7 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     shell_raw = {n: k for n, k in shell_keys.items() if n not in quantized and n not in tied}
     write_output(out_dir, model_dir, reader, store, shell_raw, len(stack), TAIL if tail else None,
                  bits_map, report, options)
-    causal, layers = is_causal(model), len(stack)
+    layers = len(stack)
     del model, stack, calib, run  # the calibration's hidden states: free before tuning
     tune_plan = _tune_plan(options, causal, config, layers, checkpoint_params,
                            max(x.shape[-1] for x in samples.samples), device)

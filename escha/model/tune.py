@@ -173,6 +173,14 @@ def _set_checkpointing(model: nn.Module, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
+def _train_without_dropout(model: nn.Module) -> None:
+    """Training mode (transformers checkpoints layers only in it), with every dropout off."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+
+
 def tune_scales(student: nn.Module, teacher: nn.Module, samples: list[torch.Tensor], options: TuneOptions,
                 device: torch.device, dtype: torch.dtype = torch.float32,
                 progress: bool | None = None, checkpointing: bool = False) -> TuneResult:
@@ -234,11 +242,8 @@ def tune_scales(student: nn.Module, teacher: nn.Module, samples: list[torch.Tens
         for ids in heldout:
             ids = ids.to(device)
             total += float(_kl(student(input_ids=ids, **no_cache).logits, teacher(input_ids=ids, **no_cache).logits))
-        student.train(was)
         if was:
-            for m in student.modules():
-                if isinstance(m, nn.Dropout):
-                    m.eval()
+            _train_without_dropout(student)
         return total / len(heldout)
 
     student.eval()
@@ -246,10 +251,7 @@ def tune_scales(student: nn.Module, teacher: nn.Module, samples: list[torch.Tens
     checkpointing = checkpointing and bool(getattr(student, "supports_gradient_checkpointing", False))
     if checkpointing:  # transformers recomputes layers only in training mode; no dropout here
         _set_checkpointing(student, True)
-        student.train()
-        for m in student.modules():
-            if isinstance(m, nn.Dropout):
-                m.eval()
+        _train_without_dropout(student)
     try:
         with torch.enable_grad():
             best_kl = kl_before = heldout_kl()
