@@ -487,10 +487,11 @@ def targets(rows: list[dict]) -> list[dict]:
     by = {r["key"]: r.get("perplexity") for r in rows}
     out = []
 
-    def best_escha(base: str) -> tuple[str | None, float | None]:
-        """The best out-of-domain, seed-0 escha row at this K: plain or scale-tuned."""
+    def best_escha(base: str, domain: bool = False) -> tuple[str | None, float | None]:
+        """The best seed-0 escha row at this K, plain or scale-tuned: out-of-domain rows, or with
+        ``domain`` those calibrated on the evaluation text outside its windows."""
         keys = [k for k, v in by.items() if v is not None and CONFIG.fullmatch(k)
-                and parse_config(k) == (base, None) and not in_domain(k)]
+                and parse_config(k) == (base, None) and in_domain(k) == domain]
         key = min(keys, key=by.get, default=None)
         return key, None if key is None else by[key]
 
@@ -508,6 +509,11 @@ def targets(rows: list[dict]) -> list[dict]:
     if k3 is not None and ref is not None:
         out.append({"target": "escha K=3 within 10% of the reference", "met": k3 <= 1.1 * ref,
                     "detail": f"K=3 ({c3}) {k3:.3f} = {k3 / ref:.3f}x the reference {ref:.3f}"})
+    c3d, k3d = best_escha("bits3", domain=True)
+    if k3d is not None and ref is not None:  # the issue's protocol: one package, disjoint slices
+        out.append({"target": "escha K=3 within 10% of the reference, calibrated on the evaluation text "
+                              "outside its windows", "met": k3d <= 1.1 * ref,
+                    "detail": f"K=3 ({c3d}) {k3d:.3f} = {k3d / ref:.3f}x the reference {ref:.3f}"})
     return out
 
 

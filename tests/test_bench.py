@@ -640,7 +640,8 @@ def test_llm_sign_seed_configurations_and_their_spread(tmp_path):
 
 def test_llm_tuned_configurations_and_the_targets_take_the_best_row(tmp_path):
     """"bits3-tune256" quantizes with --tune-steps 256; the targets take the best seed-0,
-    out-of-domain row at each K (plain or tuned) and name it; in-domain rows never count."""
+    out-of-domain row at each K (plain or tuned) and name it; in-domain rows count only in the
+    target of their own, the issue's protocol (calibration outside the evaluation windows)."""
     bench, res = _llm_result(["1536x576"])
     assert bench.tune_steps("bits3-tune256") == 256 and bench.tune_steps("bits3-tune0") == 0
     assert bench.tune_steps("bits3-s1-kjv") is None  # escha quantize's default
@@ -654,6 +655,8 @@ def test_llm_tuned_configurations_and_the_targets_take_the_best_row(tmp_path):
     within = t["escha K=3 within 10% of the reference"]
     assert within["met"] and "(bits3-tune256) 17.500" in within["detail"]
     assert "(bits3-tune256)" in t["escha K=3 below MXFP4 and RTN int4 g64"]["detail"]
+    domain = t["escha K=3 within 10% of the reference, calibrated on the evaluation text outside its windows"]
+    assert domain["met"] and "(bits3-kjv) 17.000 = 1.062x" in domain["detail"]
     rows[2]["tune"] = {"steps": 256, "lr": 1e-3, "kl_before": 0.2, "kl_after": 0.1, "kept_step": 192,
                        "curve": [[0, 0.2], [64, 0.15], [128, 0.12], [192, 0.1], [256, 0.11]], "seconds": 60.0}
     rows[2].update(method="escha bits3, scales tuned 256 steps", stored_bpw=3.5)
@@ -663,7 +666,11 @@ def test_llm_tuned_configurations_and_the_targets_take_the_best_row(tmp_path):
     assert "| bits3-tune256 | 256 | 0.001 | 0.2000 | 0.1000 | 192 | 0.1500, 0.1200, 0.1000, 0.1100 | 60 |" in (
         tmp_path / "t.md").read_text()
     rows[2]["perplexity"] = 30.0  # the plain row is now the best
-    assert not bench.targets(rows)[-1]["met"] and "(bits3) 22.000" in bench.targets(rows)[-1]["detail"]
+    within = {x["target"]: x for x in bench.targets(rows)}["escha K=3 within 10% of the reference"]
+    assert not within["met"] and "(bits3) 22.000" in within["detail"]
+    rows[3]["perplexity"] = 18.0  # in-domain, now over 1.1x
+    assert not bench.targets(rows)[-1]["met"] and "(bits3-kjv) 18.000" in bench.targets(rows)[-1]["detail"]
+    assert len(bench.targets([r for r in rows if r["key"] != "bits3-kjv"])) == 2  # no in-domain row: no such target
 
 
 def test_llm_models_and_a_missing_one(monkeypatch, capsys):
