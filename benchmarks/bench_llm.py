@@ -517,6 +517,27 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def add_rows(res: dict, paths: list[str], keys: list[str] | None = None) -> dict:
+    """``res`` with the rows of the results files ``paths`` whose keys it lacks (of ``keys``, if
+    given: older files hold rows of configurations whose meaning has changed since), in order, each with
+    its ``source`` (the file and its run's commit; a row that already names one keeps it). The
+    rows must come from runs on the same reference, text and windows: the reference perplexities
+    must agree to 1e-6."""
+    rows = list(res["rows"])
+    ref = next((r["perplexity"] for r in rows if r.get("key") == "reference"), None)
+    for path in paths:
+        with open(path) as f:
+            other = json.load(f)
+        theirs = next((r["perplexity"] for r in other["rows"] if r.get("key") == "reference"), None)
+        if ref is not None and theirs is not None and abs(theirs - ref) > 1e-6 * ref:
+            raise ValueError(f"{path}: reference perplexity {theirs} is not this run's {ref}: another text or model")
+        have = {r["key"] for r in rows}
+        sha = other.get("machine", {}).get("git_sha", "unknown")[:8]
+        rows += [dict(r, source=r.get("source") or f"{path} (git {sha})") for r in other["rows"]
+                 if r["key"] not in have and (keys is None or r["key"] in keys)]
+    return dict(res, rows=rows)
+
+
 def fmt(v, spec=".2f") -> str:
     return "–" if v is None else format(v, spec)
 
@@ -620,6 +641,12 @@ def main() -> int:
                     help="results JSON (default benchmarks/results/llm_<device>.json; llm_gemma3_<device> for gemma3)")
     ap.add_argument("--merge", action="store_true", help="update the rows of an existing --out file")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md table of --out and exit")
+    ap.add_argument("--rows-from", default=None, metavar="FILE[,FILE]",
+                    help="with --markdown-only: first add the rows of these results files whose keys --out lacks, "
+                         "each marked with its file and commit (peers, or rows of an earlier run on the same "
+                         "reference, text and windows)")
+    ap.add_argument("--rows-keys", default=None, metavar="KEY[,KEY]",
+                    help="with --rows-from: only the rows of these configurations (e.g. the peers)")
     ap.add_argument("--seq-len", type=int, default=2048, help="perplexity window (default 2048)")
     ap.add_argument("--windows", type=int, default=100, help="windows evenly spaced over the text (default 100)")
     ap.add_argument("--batch-size", type=int, default=4)
@@ -663,7 +690,13 @@ def main() -> int:
     if args.markdown_only:
         path = args.out or fail("--markdown-only needs --out")
         with open(path) as f:
-            write_markdown(json.load(f), os.path.splitext(path)[0] + ".md")
+            res = json.load(f)
+        if args.rows_from:
+            res = add_rows(res, args.rows_from.split(","), args.rows_keys.split(",") if args.rows_keys else None)
+            res["targets"] = targets(res["rows"])
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=2)
+        write_markdown(res, os.path.splitext(path)[0] + ".md")
         return 0
     spec = MODELS[args.model]
     if args.save_reference:

@@ -765,3 +765,24 @@ def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
     rows = [{"key": "bits3", "perplexity": 20.0}, {"key": "bits3-s1", "seed": 1, "perplexity": 21.0},
             {"key": "bits3-kjv", "perplexity": 18.0}]
     assert [g["config"] for g in bench.seed_spread(rows)] == ["bits3"]  # in-domain rows are not seeds of bits3
+
+
+def test_llm_rows_from_other_runs_are_added_with_their_source(tmp_path):
+    """--rows-from adds the rows another results file has and this one lacks, each naming its
+    file and commit (a row that already names a source keeps it); a file whose reference
+    perplexity differs (another text or model) is refused."""
+    bench = _script("bench_llm")
+    import json
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"machine": {"git_sha": "abcdef123456"}, "rows": [
+        {"key": "reference", "perplexity": 16.0}, {"key": "bits3", "perplexity": 30.0},
+        {"key": "mxfp4", "perplexity": 23.0}, {"key": "rtn4", "perplexity": 22.0, "source": "older.json"}]}))
+    res = {"rows": [{"key": "reference", "perplexity": 16.0}, {"key": "bits3", "perplexity": 19.0}]}
+    rows = {r["key"]: r for r in bench.add_rows(res, [str(other)])["rows"]}
+    assert rows["bits3"]["perplexity"] == 19.0 and "source" not in rows["bits3"]
+    assert rows["mxfp4"]["source"] == f"{other} (git abcdef12)" and rows["rtn4"]["source"] == "older.json"
+    assert len(res["rows"]) == 2  # the input is left as it was
+    assert [r["key"] for r in bench.add_rows(res, [str(other)], ["mxfp4"])["rows"]] == ["reference", "bits3", "mxfp4"]
+    other.write_text(json.dumps({"rows": [{"key": "reference", "perplexity": 15.0}]}))
+    with pytest.raises(ValueError, match="another text or model"):
+        bench.add_rows(res, [str(other)])
