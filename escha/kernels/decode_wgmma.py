@@ -569,15 +569,24 @@ class DecodeWgmmaConfig:
 #: in fewer registers, never in more than the table allows).
 MEASURED_TRITON = (3, 6)
 PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
-                   (3, 8): 4, (3, 16): 4, (3, 32): 3, (3, 64): 3, (3, 128): 2}
+                   (3, 8): 4, (3, 16): 4, (3, 32): 4, (3, 64): 4, (3, 128): 2}
+#: ptxas's register cap where the rule sets one, by (K, token block): K=3's 32- and 64-token builds
+#: take 137 and 165 registers uncapped (3 programs an SM) and 128 capped, without spills (4 an SM).
+REGISTER_CAPS = {(3, 32): 128, (3, 64): 128}
 MIN_STEPS = 2  # k-blocks a program takes at least
+
+
+def register_cap(bits: int, block_tokens: int) -> int | None:
+    """The rule's register cap for a K=bits weight's block of ``block_tokens`` (None: ptxas's choice)."""
+    return REGISTER_CAPS.get((bits, block_tokens))
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule: tokens padded to a power of two >= 8 (at most 128 per program); at K=2 and 8
     tokens the halves codec with one fragment (64 rows) per program, else two fragments (128
     rows) up to 32 tokens and one above; an activation ring 3 deep, 2 at 64 tokens so that 4
-    programs fit an SM (``rule_variant``); one wave of programs, as many as the SMs
+    programs fit an SM (``rule_variant``), and at K=3 and 32-64 tokens a cap of 128 registers
+    for 4 (``register_cap``); one wave of programs, as many as the SMs
     hold at once (PROGRAMS_PER_SM), shared among the token blocks, each program at least
     MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
     GEMM starting early (as the input transform starts). Measured on the H200 (note at the end
@@ -640,7 +649,8 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
         raise ValueError(f"programs must be 1..{steps} (row tiles x k-blocks), got {programs}")
     return DecodeWgmmaConfig(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
-                             early_start=True, halves=halves)
+                             early_start=True, max_registers=register_cap(bits, block_tokens),
+                             halves=halves)
 
 
 def segment_counts(programs: int, tiles: int, kblocks: int, fragments: int,
@@ -803,3 +813,11 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # (down M=1 25.0 against 37.2 before; M=64 gate_up / down / 8B down 53.3 / 40.9 / 52.9 early
 # against 55.5 / 44.4 / 56.0 late). Hence one wave, started early. benchmarks/fit_splitk.py
 # --kernel decode-wgmma checks the grid over Qwen3-14B's projections at TP 1, 2, 4.
+# K=3 at 32 and 64 tokens (benchmarks/results/k3_cap/h200_d2fb6ec/, whole call, median of 3): the
+# uncapped builds (137 and 165 registers, 3 programs an SM) started early took 51.9 / 60.2 µs on
+# gate_up and 30.7 / 35.1 on down at 32 / 64 tokens (bf16 cuBLAS 45.2 / 47.6 and 28.2 / 28.9);
+# capped at 128 registers (no spills) with 4 an SM, 43.3 / 48.7 and 27.8 / 30.0: 9-19% less.
+# Started late the uncapped builds took 43.8 / 50.3 and 27.4 / 30.5. Why the uncapped 64-token
+# build loses 10 µs with the early start is not known: capped at 168 (the same SASS instruction
+# counts offline, 3 an SM) it took 49.3 / 29.2, started early. Three runs show the loss
+# (loop_h200/, ws_loader/h200_cb854b2/, k3_cap/). Hence REGISTER_CAPS.
