@@ -1,0 +1,26 @@
+"""The rule's capped K=3 builds (32 and 64 tokens, REGISTER_CAPS) under compute-sanitizer: every
+launch of a few calls at 17-64 tokens on two shapes, the rule's grid and one step a program,
+each output within the tolerance table against the fp64 product."""
+import dataclasses
+import importlib
+
+import torch
+
+from escha.format import dequantize, random_qweight
+
+dw = importlib.import_module("escha.kernels.decode_wgmma")
+TOL = 2 * (2.0**-8 + 2.0**-11)  # bf16 output (tests/test_decode_wgmma.py)
+for shape in ((300, 700), (640, 1536)):
+    qw = random_qweight(*shape, bits=3, seed=sum(shape), device="cuda")
+    ref_w = dequantize(qw).double()
+    for m in (17, 32, 33, 64):
+        x = torch.randn(m, shape[1], device="cuda", dtype=torch.bfloat16)
+        cfg = dw.decode_wgmma_config(qw, m)
+        assert cfg.max_registers == 128, cfg
+        steps = qw.padded_shape[0] // (64 * cfg.fragments) * (qw.padded_shape[1] // 128)
+        for c in (cfg, dataclasses.replace(cfg, programs=steps)):
+            y = dw.decode_wgmma(x, qw, config=c)
+            torch.cuda.synchronize()
+            ref = x.double() @ ref_w.T
+            err = float((y.double() - ref).norm() / ref.norm())
+            print(f"{shape} M={m} programs={c.programs}: rel err {err:.2e}", "ok" if err <= TOL else "OVER")
