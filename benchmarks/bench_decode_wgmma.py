@@ -73,8 +73,9 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     halves codec's, and the rule's capped at 80 and 64 registers (6 and 8 an SM); elsewhere up to
     32 tokens the halves codec (at 16 tokens also one fragment capped at 96 and 64); at 64
     tokens the cap of 168 (3 an SM) and one fragment (128 registers, 3 an SM by shared memory at
-    3 stages, 4 at 2); K=3 at 32 and 64 tokens capped at 128 registers (4 an SM, no spills, against
-    3); above 128 tokens one token block of 256 (the rule takes blocks of 128)."""
+    3 stages, 4 at 2); where the rule caps the registers (K=3 at 32 and 64 tokens: 128, 4 an SM)
+    the uncapped build at 3 an SM; above 128 tokens one token block of 256 (the rule takes blocks
+    of 128)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     steps_f1 = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
 
@@ -108,8 +109,8 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
         out["cap168"] = dataclasses.replace(cfg, max_registers=168, programs=wave(3))
         out["f1w3"] = dataclasses.replace(cfg, fragments=1, programs=wave(3))
         out["f1s2w4"] = dataclasses.replace(cfg, fragments=1, stages=2, programs=wave(4))
-    if qw.bits == 3 and cfg.block_tokens in (32, 64):  # 137 and 165 registers (3 an SM); capped at 128
-        out["cap128w4"] = dataclasses.replace(cfg, max_registers=128, programs=wave(4))  # no spills: 4
+    if cfg.max_registers is not None:  # the rule's cap (K=3 at 32 and 64 tokens) lifted: the rule before
+        out["uncapped"] = dataclasses.replace(cfg, max_registers=None, programs=wave(3))  # 137-165 registers
     if cfg.block_tokens == 128 and m > 128:  # one token block of 256 (1 program an SM, 2 stages)
         out["bn256"] = dataclasses.replace(cfg, block_tokens=256, stages=2, programs=wave(1, 256))
     return {k: v for k, v in out.items() if v != cfg}
