@@ -7,7 +7,8 @@
 # Usage, repository root of main, on the H200:  benchmarks/results/ws_loader/run.sh OUT_DIR
 #   1. apply the patch (to this copy of the tree);
 #   2. its GPU tests: bitwise the rule kernel's output (test_loader_partition_gives_the_same_bits)
-#      and the rest of test_decode_wgmma;
+#      and the rest of test_decode_wgmma; diag.py, which places any difference (h200_cb854b2/:
+#      the first run failed the bitwise test at 7 of 12 points);
 #   3. compute-sanitizer memcheck and racecheck over ws_cases.py;
 #   4. bench_decode_wgmma.py --variants, K=2 (gate_up, down, down_8b at 1, 8, 16, 64 tokens) and
 #      K=3 (gate_up, down at 8, 64): the loader arms beside the rule's. About 7 minutes in all.
@@ -25,6 +26,7 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   || { echo "patch failed" | tee -a "$o/steps.log"; exit 2; }
 step gpu_tests 70 python -m pytest -q -m gpu tests/test_decode_wgmma.py -k "loader or variants"
 step cpu_ptx 45 python -m pytest -q tests/test_decode_wgmma.py -k "loader_partition_ptx"
+step diag 150 python "$here/diag.py"  # where the outputs differ (the run at cb854b2 failed the bitwise test)
 step memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 99 python "$here/ws_cases.py"
 step racecheck 100 compute-sanitizer --tool racecheck --error-exitcode 99 python "$here/ws_cases.py"
 step bench_k2 130 python benchmarks/bench_decode_wgmma.py --out "$o/k2" --ms 1,8,16,64 \
