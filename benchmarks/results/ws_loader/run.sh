@@ -3,7 +3,8 @@
 # one H200 in one call (docs/KERNELS.md, "CTA barriers in the loop"). The candidate is
 # candidate.patch (the kernel _decode_wgmma_ws_kernel behind DecodeWgmmaConfig.loader, its tests,
 # bench_decode_wgmma's loader_c64 / loader_c48 variants); offline it compiles for sm_90a with 2
-# bar.sync a decoding step against the rule's 4-5, and its CPU tests pass. Not yet run on a GPU.
+# bar.sync a decoding step against the rule's 4-5, and its CPU tests pass. Run once on the H200
+# (h200_cb854b2/): it failed its bitwise test.
 # Usage, repository root of main, on the H200:  benchmarks/results/ws_loader/run.sh OUT_DIR
 #   1. apply the patch (to this copy of the tree);
 #   2. its GPU tests: bitwise the rule kernel's output (test_loader_partition_gives_the_same_bits)
