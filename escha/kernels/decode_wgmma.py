@@ -818,8 +818,8 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # gate_up and 30.7 / 35.1 on down at 32 / 64 tokens (bf16 cuBLAS 45.2 / 47.6 and 28.2 / 28.9);
 # capped at 128 registers (no spills) with 4 an SM, 43.3 / 48.7 and 27.8 / 30.0: 9-19% less.
 # Started late the uncapped builds took 43.8 / 50.3 and 27.4 / 30.5 (the cap: -3% to +1.5% against
-# those). Why the uncapped 64-token
-# build loses 10 µs with the early start is not known: capped at 168 (the same SASS instruction
-# counts offline, 3 an SM) it took 49.3 / 29.2, started early. Three runs show the loss
-# (loop_h200/, ws_loader/h200_cb854b2/, k3_cap/), each with the rule's arm timed second, after
-# cuBLAS (docs/KERNELS.md). Hence REGISTER_CAPS: as fast as any uncapped arm, or faster.
+# those). Why the uncapped 64-token build loses 10 µs with the early start is not known: capped
+# at 168 (the same SASS but for register numbers, 3 an SM) it took 49.3 / 29.2, started early.
+# Three runs show the loss (loop_h200/, ws_loader/h200_cb854b2/, k3_cap/), each with the rule's
+# arm timed second, after cuBLAS (docs/KERNELS.md). Hence REGISTER_CAPS: faster than every
+# uncapped arm timed but one (down at 32 tokens started late, 1.5% ahead).
