@@ -822,4 +822,5 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # at 168 (the same SASS but for register numbers, 3 an SM) it took 49.3 / 29.2, started early.
 # Three runs show the loss (loop_h200/, ws_loader/h200_cb854b2/, k3_cap/), each with the rule's
 # arm timed second, after cuBLAS (docs/KERNELS.md). Hence REGISTER_CAPS: faster than every
-# uncapped arm timed but one (down at 32 tokens started late, 1.5% ahead).
+# other arm timed of these builds but two (down: at 32 tokens started late, 1.5% ahead; at 64
+# capped at 168, 2.7% ahead).
