@@ -54,6 +54,10 @@
 # PHASE "variants": the register-operand decode GEMM's variants beside the rule at 1-16 tokens, K=2
 #                  (bench_decode_wgmma.py --variants: the halves codec capped at fewer registers
 #                  for more programs an SM, the exact codec's two fragments, the rule before).
+# PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
+#                  memcheck and racecheck over benchmarks/results/k3_cap/sanitize.py, then
+#                  bench_decode_wgmma.py --variants --bits 3 at 8-64 tokens on three shapes (the
+#                  capped rule in the rule's place, the uncapped build as the variant "uncapped").
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
@@ -188,6 +192,12 @@ case "$phase" in
   variants)
     step variants_k2 200 python benchmarks/bench_decode_wgmma.py --out "$out/variants_k2" --ms 1,8,16 \
       --shapes gate_up,down,down_8b --rounds 3 --variants
+    ;;
+  k3)
+    step memcheck_k3 120 compute-sanitizer --tool memcheck --error-exitcode 99 python benchmarks/results/k3_cap/sanitize.py
+    step racecheck_k3 150 compute-sanitizer --tool racecheck --error-exitcode 99 python benchmarks/results/k3_cap/sanitize.py
+    step variants_k3 240 python benchmarks/bench_decode_wgmma.py --out "$out/variants_k3" --ms 8,16,32,64 \
+      --shapes gate_up,down,down_8b --rounds 3 --variants --bits 3
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
