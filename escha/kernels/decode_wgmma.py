@@ -564,9 +564,9 @@ class DecodeWgmmaConfig:
 
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
-#: sm_90a build of the rule's variant under Triton MEASURED_TRITON, the H200's release
-#: (tests/test_decode_wgmma.py checks it against the compiler; other releases may build a variant
-#: in fewer registers, never in more than the table allows).
+#: sm_90a build of the rule's variant at its REGISTER_CAPS under Triton MEASURED_TRITON, the
+#: H200's release (tests/test_decode_wgmma.py checks it against the compiler; other releases may
+#: build a variant in fewer registers, never in more than the table allows).
 MEASURED_TRITON = (3, 6)
 PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
                    (3, 8): 4, (3, 16): 4, (3, 32): 4, (3, 64): 4, (3, 128): 2}
