@@ -58,13 +58,18 @@
 #                  memcheck and racecheck over benchmarks/results/k3_cap/sanitize.py, then
 #                  bench_decode_wgmma.py --variants --bits 3 at 8-64 tokens on three shapes (the
 #                  capped rule in the rule's place, the uncapped build as the variant "uncapped").
+# PHASE "fp8":     the register-operand decode GEMM on fp8 tensor cores (escha/kernels/decode_fp8.py):
+#                  its GPU tests, compute-sanitizer memcheck and racecheck over its sanitizer cases
+#                  (the small grid at 1, 130 and 300 tokens), then bench_decode_fp8.py (K=2 at
+#                  64-512 tokens on three shapes, K=3 at 128 and 256 on two) beside cuBLAS and
+#                  escha's other paths.
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -198,6 +203,16 @@ case "$phase" in
     step racecheck_k3 150 compute-sanitizer --tool racecheck --error-exitcode 99 python benchmarks/results/k3_cap/sanitize.py
     step variants_k3 240 python benchmarks/bench_decode_wgmma.py --out "$out/variants_k3" --ms 8,16,32,64 \
       --shapes gate_up,down,down_8b --rounds 3 --variants --bits 3
+    ;;
+  fp8)
+    step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py
+    step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,130,300 \
+      ESCHA_SANITIZER_TOOLS=memcheck benchmarks/run_sanitizer.sh "$out/sanitizer_memcheck_fp8.txt"
+    step racecheck_fp8 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,130,300 \
+      ESCHA_SANITIZER_TOOLS=racecheck benchmarks/run_sanitizer.sh "$out/sanitizer_racecheck_fp8.txt"
+    step bench_fp8 240 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8" --rounds 3
+    step bench_fp8_k3 90 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8_k3" --rounds 3 --bits 3 \
+      --ms 128,256 --shapes gate_up,down
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \

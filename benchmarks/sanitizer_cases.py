@@ -26,11 +26,16 @@ if os.environ.get("ESCHA_SANITIZER_GRID") == "small":
     # 1: the transforms' one-token tiles; 1 and 7: the register-operand GEMM's halves codec at K=2;
     # 40 and 130: its 64-token variant (one fragment, a ring of 2) and two 128-token blocks.
     SHAPES, MS = [(17, 130), (257, 300)], [1, 7, 40, 130]
+# A run for one kernel: ESCHA_SANITIZER_PATHS (comma-separated path names) and ESCHA_SANITIZER_MS
+# (comma-separated token counts) narrow the grid further.
+PATHS = set(filter(None, os.environ.get("ESCHA_SANITIZER_PATHS", "").split(",")))
+if os.environ.get("ESCHA_SANITIZER_MS"):
+    MS = [int(v) for v in os.environ["ESCHA_SANITIZER_MS"].split(",")]
 # Relative error bounds for bf16 outputs (docs/KERNELS.md tolerance tables): bf16 output rounding
 # (2**-9) bounds the bf16-output paths, e4m3 operand rounding the fp8 ones.
 TOL = {"reference": 1e-2, "decode": 1e-2, "decode-wgmma": 1e-2, "dequant-bf16": 2e-2, "prefill": 8e-2,
        "dequant-fp8": 8e-2, "dequant-core-fp8": 8e-2,
-       "dequant-core-bf16": 2e-2}
+       "dequant-core-bf16": 2e-2, "decode-fp8": 8e-2}
 
 
 def main() -> int:
@@ -60,6 +65,8 @@ def main() -> int:
                 flags = (torch.arange(nb, device="cuda") < n // 128).to(torch.int8)
                 head = HeadNorm((torch.rand(nb * 128, device="cuda") + 0.5).to(torch.bfloat16), flags, 1e-6)
                 for path in available_paths(qw, m):
+                    if PATHS and str(path) not in PATHS:
+                        continue
                     # Each path alone, then with an RMSNorm applied first (in the input transform
                     # of the decode kernels).
                     plain = escha.matmul(x, qw, path=path)

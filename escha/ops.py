@@ -11,6 +11,9 @@ Paths (``KernelPath``) and the op each runs (``dispatch_table()``):
     dequant-core-fp8, dequant-core-bf16  dequantize the plain core T (no Hadamard product), one
                   library GEMM, then Hn and the row scales in one pass over its output: the
                   dequantize-once form for fewer rows (DispatchRule.dequant_path).
+    decode-fp8    the register-operand decode GEMM on the fp8 tensor cores for Hopper
+                  (escha.kernels.decode_fp8, Gluon): e4m3 weights and activations, one
+                  token block of up to 256; selectable by path (the rule does not take it yet).
 
 Every op has the shape ``op(x, qw, *, config=None)`` and picks its own launch configuration by
 its rule; adding a path is one ``KernelPath`` member and one entry in ``dispatch_table``.
@@ -63,6 +66,7 @@ class KernelPath(str, enum.Enum):
     DECODE_WGMMA = "decode-wgmma"
     DEQUANT_CORE_FP8 = "dequant-core-fp8"  # new paths go last: the custom op's path codes are positions
     DEQUANT_CORE_BF16 = "dequant-core-bf16"
+    DECODE_FP8 = "decode-fp8"
 
     def __str__(self) -> str:
         return self.value
@@ -71,7 +75,7 @@ class KernelPath(str, enum.Enum):
     def fp8_operands(self) -> bool:
         """Whether the path's GEMM multiplies e4m3 operands (relative error ~4e-2 against the
         16-bit paths' ~2e-3: docs/KERNELS.md, prefill tolerance table)."""
-        return self in (KernelPath.PREFILL, KernelPath.DEQUANT_FP8, KernelPath.DEQUANT_CORE_FP8)
+        return self in (KernelPath.PREFILL, KernelPath.DEQUANT_FP8, KernelPath.DEQUANT_CORE_FP8, KernelPath.DECODE_FP8)
 
 
 class Precision(str, enum.Enum):
@@ -116,6 +120,7 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
     """The dispatch table: path -> op (built on first use, which imports the kernels)."""
     from .kernels import decode, dequant_bf16, dequant_core_bf16, dequant_core_fp8, dequant_fp8, prefill
     from .kernels.decode import MAX_DECODE_M
+    from .kernels.decode_fp8 import decode_fp8
     from .kernels.decode_wgmma import decode_wgmma, runs_on
     return {
         KernelPath.REFERENCE: PathOp(reference, kernel=False),
@@ -126,6 +131,7 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
         KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8),
         KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
         KernelPath.DEQUANT_CORE_BF16: PathOp(dequant_core_bf16),
+        KernelPath.DECODE_FP8: PathOp(decode_fp8, runs_on=runs_on),
     }
 
 

@@ -26,13 +26,14 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
 # statistical bounds: rounding errors average over the output's elements.
 TOL = {KernelPath.REFERENCE: 1e-5, KernelPath.DECODE: 1e-2, KernelPath.DECODE_WGMMA: 1e-2, KernelPath.DEQUANT_BF16: 2e-2,
        KernelPath.PREFILL: 8e-2, KernelPath.DEQUANT_FP8: 8e-2, KernelPath.DEQUANT_CORE_FP8: 8e-2,
-       KernelPath.DEQUANT_CORE_BF16: 2e-2}
+       KernelPath.DEQUANT_CORE_BF16: 2e-2, KernelPath.DECODE_FP8: 8e-2}
 # A few output elements can cancel (y near 0), where no relative bound holds; there the worst-case
 # operand-rounding bound applies instead: every product term carries at most U relative error,
 # so |dy| <= U * |r| |Hn| |T| |x'|  (componentwise; docs/KERNELS.md, "Small outputs").
 U = {KernelPath.REFERENCE: 0.0, KernelPath.DECODE: 2**-10, KernelPath.DECODE_WGMMA: 2**-10, KernelPath.DEQUANT_BF16: 2**-7 + 2**-8,
      KernelPath.PREFILL: 2**-3 + 2**-7, KernelPath.DEQUANT_FP8: 2**-3 + 2**-7,
-     KernelPath.DEQUANT_CORE_FP8: 2**-3 + 2**-7, KernelPath.DEQUANT_CORE_BF16: 2**-6}  # one more bf16 rounding (z)
+     KernelPath.DEQUANT_CORE_FP8: 2**-3 + 2**-7, KernelPath.DEQUANT_CORE_BF16: 2**-6,  # one more bf16 rounding (z)
+     KernelPath.DECODE_FP8: 2**-3 + 2**-7}
 OUT_U = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24}
 
 summary: collections.Counter = collections.Counter()

@@ -1,0 +1,161 @@
+"""The fp8 decode GEMM on the H200: gates, then timings against cuBLAS and escha's other paths.
+
+    python benchmarks/bench_decode_fp8.py --out DIR [--rounds 3] [--ms 64,128,192,256,384,512]
+        [--shapes gate_up,down,down_8b] [--bits 2|3]
+
+Gates first: the e4m3 fragments bit for bit against the reference codec; at every point, before
+its timing, the call against fp64 within the fp8 table (0.077) and the GEMM's partials against the
+exact product of its own e4m3 operands (2**-9; tests/test_decode_fp8.py derives both). Timing as
+bench_decode_wgmma.py: weights rotated over >= 4x L2, one CUDA graph an arm, device events, rounds
+interleaved across arms, median. Arms: cuBLAS bf16; cuBLAS fp8 (torch._scaled_mm, row-wise
+scales, operands already e4m3: its activation quantization is not timed); escha.matmul's rule;
+the fp16 register-operand kernel (decode_wgmma's rule); the plain-core dequantize-once path
+(dequant-core-fp8); decode_fp8's rule, and above 128 tokens its blocks of 128 (``fp8_bn128``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+
+import escha
+from escha.bench.cuda_timing import GraphTimer
+from escha.bench.method import rotation_buffers
+from escha.format import decode_trellis, dequantize, random_qweight
+from escha.kernels.actquant import prepare_actquant
+from escha.kernels.decode_fp8 import (MIN_STEPS, PROGRAMS_PER_SM, decode_fp8, decode_fp8_config, decoded_fragments,
+                                      gemm_partials, mma_order)
+from escha.kernels.decode_wgmma import decode_wgmma, packed_words
+from escha.kernels.dequant_once import dequant_core_fp8
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import env_info, weight_set  # noqa: E402
+from bench_decode_wgmma import SHAPES, rel_err  # noqa: E402
+
+FP8_TOL = 0.077  # tests/test_decode_fp8.py
+PARTIALS_TOL = 2.0**-9
+
+
+def fp8_core(qw) -> torch.Tensor:
+    return (decode_trellis(qw).float() * 64).to(torch.float8_e4m3fn)
+
+
+def gate_fragments(log) -> bool:
+    ok = True
+    for bits in (2, 3):
+        for out_f, in_f in ((300, 520), (17408, 5120)):
+            qw = random_qweight(out_f, in_f, bits=bits, seed=out_f + bits, device="cuda")
+            same = torch.equal(decoded_fragments(qw).view(torch.uint8), mma_order(fp8_core(qw)).view(torch.uint8))
+            ok &= same
+            log(f"fragments K={bits} {out_f}x{in_f}: {'bit-exact' if same else 'MISMATCH'}")
+    return ok
+
+
+def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
+    """(whole call against fp64, summed partials against the exact e4m3 product), fresh inputs."""
+    x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
+    y = decode_fp8(x, qw, config=cfg)
+    e_call = rel_err(y, x.double() @ w_ref.T) if torch.isfinite(y).all() else float("nan")
+    xq, _, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True)
+    ws, counts = gemm_partials(xq, qw, cfg)
+    got = torch.zeros(ws.shape[1:], dtype=torch.float64, device="cuda")
+    for g, c in enumerate(counts.tolist()):
+        got[:, 64 * g:64 * g + 64] = ws[:c, :, 64 * g:64 * g + 64].double().sum(0)
+    ref = xq.double() @ mma_order(fp8_core(qw)).double().T
+    return e_call, float((got - ref).norm() / ref.norm())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ms", default="64,128,192,256,384,512")
+    ap.add_argument("--shapes", default="gate_up,down,down_8b")
+    ap.add_argument("--bits", type=int, default=2, choices=(2, 3))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        with open(os.path.join(args.out, "decode_fp8.log"), "a") as f:
+            f.write(s + "\n")
+
+    env = env_info()
+    log(json.dumps(env))
+    results = {"env": env, "gates": {}, "points": []}
+    try:
+        results["gates"]["fragments"] = gate_fragments(log)
+    except Exception:
+        log(traceback.format_exc())
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    timer = GraphTimer(replays=10)
+    for name in args.shapes.split(","):
+        out_f, in_f = SHAPES[name]
+        ws = weight_set(out_f, in_f, 4 * l2 / (2 if args.bits == 2 else 4 / 3), seed=len(name), bits=args.bits)
+        for w in ws:
+            packed_words(w)
+        w_ref = dequantize(ws[0]).double()
+        dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
+        fp8_rot = [w.to(torch.float8_e4m3fn) for w in dense_rot[:max(2, rotation_buffers(l2, out_f * in_f))]]
+        wscale = torch.ones(out_f, device="cuda")
+        for m in [int(v) for v in args.ms.split(",")]:
+            point = {"shape": name, "N": out_f, "K": in_f, "M": m, "bits": args.bits}
+            try:
+                cfg = decode_fp8_config(ws[0], m, torch.device("cuda"))
+                configs = {"fp8": cfg}
+                if m > 128:  # blocks of 128 (each weight decoded once a block), 3 programs an SM
+                    steps = ws[0].padded_shape[0] // 64 * (ws[0].padded_shape[1] // 128)
+                    wave = -(-PROGRAMS_PER_SM[128] * torch.cuda.get_device_properties(0).multi_processor_count
+                             // -(-m // 128))
+                    configs["fp8_bn128"] = dataclasses.replace(cfg, block_tokens=128, stages=3,
+                                                               programs=max(1, min(steps // MIN_STEPS, wave)))
+                xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                x8 = xs[0].to(torch.float8_e4m3fn)
+                xscale = torch.ones(m, device="cuda")
+                arms = {
+                    "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
+                    "cublas_fp8": (lambda i: torch._scaled_mm(x8, fp8_rot[i % len(fp8_rot)].T, scale_a=xscale[:, None],
+                                                              scale_b=wscale[None, :], out_dtype=torch.bfloat16),
+                                   len(fp8_rot)),
+                    "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
+                    "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i]), len(ws)),
+                    "core_fp8": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),
+                }
+                for label, c in configs.items():
+                    e_call, e_part = gate_point(ws[0], w_ref, m, c)
+                    point[f"err_{label}"], point[f"err_partials_{label}"] = e_call, e_part
+                    if not (e_call <= FP8_TOL and e_part <= PARTIALS_TOL):
+                        log(f"GATE FAIL {name} M={m} {label}: call {e_call:.3e}, partials {e_part:.3e}")
+                        continue
+                    arms[label] = (lambda i, c=c: decode_fp8(xs[i % 2], ws[i], config=c), len(ws))
+                samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
+                times = {k: [] for k in samplers}
+                for _ in range(args.rounds):
+                    for k, s in samplers.items():
+                        times[k].append(s.sample())
+                med = {k: statistics.median(v) for k, v in times.items()}
+                point["us"] = med
+                point["config"] = dataclasses.asdict(cfg)
+                ratio = f"  fp8/bf16 {med['fp8'] / med['cublas_bf16']:.3f}" if "fp8" in med else ""
+                log(f"{name} M={m:4d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items()) + ratio
+                    + f"  err {point.get('err_fp8', float('nan')):.2e} partials {point.get('err_partials_fp8', float('nan')):.2e}")
+                del samplers
+            except Exception:
+                log(f"{name} M={m}: " + traceback.format_exc())
+            results["points"].append(point)
+            with open(os.path.join(args.out, "decode_fp8.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        del ws, w_ref, dense_rot, fp8_rot
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Decode GEMM on the fp8 tensor cores (Hopper): the trellis decoded into an e4m3 register A operand.
+
+    z^T [64 weight rows, tokens] += e4m3(64 T_blk) [64, 128] @ x'_q^T [128, tokens]   (one warpgroup)
+
+The register-operand decode kernel (``decode_wgmma``) with fp8 operands: the same words
+(``pack_words``), the same even split of (row tile, k-block) steps over one wave of programs, the
+same TMA ring and fp32 partials for ``transforms.hadamard_output``; but each decoded weight is
+scaled by 64 and rounded to e4m3 (as the dequantize-once core, ``dequant.dequantize_core``:
+|64 T| < 256, a power of two, no saturation), and the activations are ``actquant``'s e4m3 x' with
+its per-token scale, so each step is ``wgmma ... m64nNk32 .e4m3.e4m3`` with A in registers: half
+the tensor-core time and half the activation bytes of the fp16 kernel, at the fp8 paths' accuracy
+(docs/KERNELS.md, Prefill, "Accuracy"). Meant for the token counts where the fp16 kernel's MMAs
+cost as much as its decode (128 and more).
+
+Layout. The A fragment of m64nNk32 (8-bit types) gives a thread of warp w, lane 4g + t the rows
+{16w + g, 16w + g + 8} and, in each 32-wide k step s, the columns {32 s + 4 t + e', 32 s + 16 +
+4 t + e'}, e' = 0..3, one 32-bit register each. The MMA's k order inside a 128-block is ours
+(``actquant(..., mma_order=True)`` stores x' the same way), chosen so that a thread again owns
+tiles 2t and 2t + 1 of the block, whose row windows are the fp16 kernel's words:
+
+    MMA column kk = 32 s + 16 h + 4 t + 2 u + e   holds   T column 16 (2t + u) + (2 s + h) + 8 e
+
+so a register's four bytes are columns c and c + 8 (c = 2 s + h) of tiles 2t and 2t + 1: at K=2
+each pair is one funnel shift (``decode_wgmma._pair_values``), then one mul.f16x2 by 64 and one
+cvt.rn.satfinite.e4m3x2.f16x2.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..format.qweight import QuantizedWeight
+from .actquant import prepare_actquant
+from .common import CORE_FP8_SCALE, FP8_DTYPE, check_codebook, check_operands, output_tensor, prepare
+from .decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, HOPPER_SMS, SUPPORTED_BITS, WORDS_LAYOUT, WORDS_SMEM_LAYOUT,
+                           _fragment_words, _iota, _most_segments, _next_step, _packed, _pair_values, _state_values,
+                           _word_row, runs_on, segment_counts)
+from .triton_compat import smem_reinterpret, tma_async_load
+from .transforms import hadamard_output
+
+MAX_TOKENS = 256  # wgmma N: tokens per program at most
+
+
+@functools.cache
+def x_smem_layout(block_tokens: int) -> gl.NVMMASharedLayout:
+    """Shared layout of an activation tile [block_tokens, 128] e4m3 (wgmma's B operand, K-major)."""
+    return gl.NVMMASharedLayout.get_default_for([block_tokens, BLOCK_K], gl.float8e4nv)
+
+
+def fp8_mma_column_order(device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [128]: the T column (within a 128-block) that MMA column kk multiplies."""
+    kk = torch.arange(BLOCK_K, device=device)
+    s, h, t, u, e = kk // 32, (kk // 16) % 2, (kk // 4) % 4, (kk // 2) % 2, kk % 2
+    return 16 * (2 * t + u) + 2 * s + h + 8 * e
+
+
+# -- device code ------------------------------------------------------------------------------
+
+# A fragment's e4m3 weights as decoded: [warp, row half, g, s, h, u, t, e] (MMA row 16 warp + 8
+# half + g; MMA column 32 s + 16 h + 4 t + 2 u + e once t and u trade places), registers ordered as
+# the k_width=4 A operand holds them: e and u (four bytes), row half, h, s.
+FP8_FRAGMENT_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 4, 2, 2, 1, 2],
+                                                    threads_per_warp=[1, 1, 8, 1, 1, 1, 4, 1],
+                                                    warps_per_cta=[4, 1, 1, 1, 1, 1, 1, 1],
+                                                    order=[7, 5, 1, 4, 3, 6, 2, 0]))
+
+
+@gluon.jit
+def _decode_fp8_fragment(w, BITS: gl.constexpr, L8: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """The [64, 128] e4m3 A operand e4m3(64 T) (fp8 MMA column order) from a fragment's words."""
+    W7: gl.constexpr = gl.SliceLayout(7, L8)
+    W5: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W7))
+    hi, lo = gl.split(w)  # [warp, row half, g, u, t]
+    hi = gl.expand_dims(gl.expand_dims(gl.convert_layout(hi, W5), 3), 4).to(gl.uint32, bitcast=True)
+    lo = gl.expand_dims(gl.expand_dims(gl.convert_layout(lo, W5), 3), 4).to(gl.uint32, bitcast=True)
+    v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [4, 2, 8, 1, 1, 2, 4] row windows
+    c = (2 * _iota(4, 3, 7, W7) + _iota(2, 4, 7, W7)).to(gl.uint64)  # tile column c = 2 s + h
+    if BITS == 2:
+        va, vb = _pair_values(((v << (2 * c)) >> 32).to(gl.uint32))
+    else:
+        va, vb = _state_values(((v >> (48 - BITS * c)) & 0xFFFF).to(gl.uint32),
+                               ((v >> (48 - BITS * (c + 8))) & 0xFFFF).to(gl.uint32))
+    a = (gl.join(va, vb) * 64.0).to(gl.float8e4nv)  # 64 T: exact in fp16; e4m3 rounds to nearest even
+    a = gl.reshape(gl.permute(a, [0, 1, 2, 3, 4, 6, 5, 7]), [64, 128])
+    return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
+                       BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr):
+    """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
+    token block's row tiles x NKB k-blocks (a tile is 64 FRAGS weight rows), each
+    z^T[64 FRAGS rows, BN tokens] += e4m3(64 T_blk) x'_q^T, written as fp32 partials
+    [segments, M, Np] (``decode_wgmma._decode_wgmma_kernel``'s split, ring and output)."""
+    p = gl.program_id(0)
+    tb = gl.program_id(1)
+    s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)
+    n = (((p + 1).to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32) - s0
+
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    L8: gl.constexpr = FP8_FRAGMENT_LAYOUT
+    WL: gl.constexpr = WORDS_LAYOUT
+
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
+    W_SMEM: gl.constexpr = w_desc.layout
+    w_box = smem_reinterpret(w_smem, gl.int32, [STAGES, 8 * FRAGS, 128], W_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+
+    row0 = tb * BN
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    tile = s0 // NKB
+    kb = s0 - tile * NKB
+    t_in = tile
+    kb_in = kb
+    for i in gl.static_range(STAGES):
+        mbarrier.expect(bars.index(i), nbytes, pred=i < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
+        tma_async_load(x_desc, [row0, kb_in * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        t_in, kb_in = _next_step(t_in, kb_in, NKB)
+
+    acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
+    acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
+    stage = 0
+    phase = 0
+    for i in range(n):
+        carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
+        xs = x_smem.index(stage).permute((1, 0))
+        mbarrier.wait(bars.index(stage), phase)
+        # Every fragment is decoded before the first wgmma is issued, and nothing runs between
+        # the issues and the wait: the wait cannot take 8-bit operands as dependencies (triton
+        # 3.6: "Unexpected bitwidth in WGMMAWaitGroupOp"), so no register of an A operand may be
+        # live-and-free while its wgmma reads it. An e4m3 fragment is 16 registers.
+        a0 = _decode_fp8_fragment(_fragment_words(w_smem, stage * FRAGS, WL), BITS, L8, A_LAYOUT)
+        if FRAGS == 2:
+            a1 = _decode_fp8_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L8, A_LAYOUT)
+            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
+            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+        # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
+        j = i + STAGES
+        mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
+                       pred=j < n)
+        tma_async_load(x_desc, [row0, kb_in * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
+        t_in, kb_in = _next_step(t_in, kb_in, NKB)
+        if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
+            seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
+            tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+            rows = tile * (64 * FRAGS) + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+            offs = tok[None, :] * Np + rows[:, None]
+            tmask = tok[None, :] < M - row0
+            base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
+            gl.store(base + offs, acc0, mask=tmask)
+            if FRAGS == 2:
+                gl.store(base + offs + 64, acc1, mask=tmask)
+        tile, kb = _next_step(tile, kb, NKB)
+        stage += 1
+        phase ^= (stage == STAGES).to(gl.int32)
+        stage = gl.where(stage == STAGES, 0, stage)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr):
+    """Test kernel: writes the e4m3 A fragment the GEMM multiplies for (row block, k block) =
+    program id at T[64 nb + row, 128 kb + fp8 MMA column]: e4m3(64 T) of the reference, bit for bit."""
+    nb = gl.program_id(0)
+    kb = gl.program_id(1)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    WL: gl.constexpr = WORDS_LAYOUT
+    off = (((_iota(4, 0, 6, WL) * 2 + _iota(2, 1, 6, WL)) * 32 + _iota(8, 2, 6, WL) * 4 + _iota(4, 4, 6, WL)) * 4
+           + _iota(2, 3, 6, WL) * 2 + _iota(2, 5, 6, WL))
+    w = gl.load(words_ptr + (((nb // 2) * NKB + kb) * 2 + nb % 2).to(gl.int64) * 1024 + off)
+    a = _decode_fp8_fragment(w, BITS, FP8_FRAGMENT_LAYOUT, A_LAYOUT)
+    rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_LAYOUT))
+    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, A_LAYOUT))
+    gl.store(out_ptr + rows[:, None].to(gl.int64) * (NKB * 128) + cols[None, :], a)
+
+
+def decoded_fragments(qw: QuantizedWeight) -> torch.Tensor:
+    """e4m3 [Np, Kp]: e4m3(64 T) as the GEMM's A fragments hold it (fp8 MMA column order in each
+    128-block). Equal bit for bit to ``fp8_core(qw)`` in that order (tests)."""
+    np_, kp = qw.padded_shape
+    out = torch.empty((np_, kp), dtype=FP8_DTYPE, device=qw.device)
+    _fragment_kernel[(np_ // FRAGMENT_ROWS, kp // BLOCK_K)](_packed(qw).words, out, kp // BLOCK_K, BITS=qw.bits,
+                                                           num_warps=4)
+    return out
+
+
+def mma_order(t: torch.Tensor) -> torch.Tensor:
+    """t [..., Kp] with each 128-column block permuted into the fp8 MMA column order."""
+    kp = t.shape[-1]
+    order = fp8_mma_column_order(t.device)
+    idx = (torch.arange(kp // BLOCK_K, device=t.device)[:, None] * BLOCK_K + order[None, :]).reshape(-1)
+    return t[..., idx]
+
+
+# -- launcher ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeFp8Config:
+    """Launch parameters of the fp8 decode GEMM (see ``decode_fp8_config``)."""
+
+    block_tokens: int  # wgmma N: tokens per program (power of two, 8..256)
+    programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
+    stages: int  # activation and word buffers in the TMA ring
+    fragments: int  # 64-row A fragments per program (1 or 2)
+    max_registers: int | None = None  # ptxas's register cap per thread (None: its own choice)
+
+
+#: Programs one SM holds, by token block: the registers and shared memory of the rule's sm_90a
+#: builds under triton 3.6 (tests/test_decode_fp8.py checks the table against the compiler).
+PROGRAMS_PER_SM = {64: 4, 128: 3, 256: 2}
+MIN_STEPS = 2  # k-blocks a program takes at least
+
+
+def rule_variant(m: int) -> tuple[int, int, int]:
+    """(block_tokens, fragments, stages) for m tokens: one block of up to 256 tokens (every
+    weight decoded once up to 256), one fragment, a ring of 2 at 256 tokens (shared memory for
+    two programs an SM) and 3 below."""
+    block_tokens = min(MAX_TOKENS, max(64, triton.next_power_of_2(m)))
+    return block_tokens, 1, 2 if block_tokens == 256 else 3
+
+
+def decode_fp8_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeFp8Config:
+    """The rule: ``rule_variant``'s block, one wave of programs (PROGRAMS_PER_SM a streaming
+    multiprocessor) shared among the token blocks, each at least MIN_STEPS k-blocks."""
+    if m < 1:
+        raise ValueError(f"need at least one token, got {m}")
+    return _config(*qw.padded_shape, m, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _config(np_: int, kp: int, m: int, device: torch.device | None) -> DecodeFp8Config:
+    block_tokens, fragments, stages = rule_variant(m)
+    on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
+    steps = np_ // (FRAGMENT_ROWS * fragments) * (kp // BLOCK_K)
+    slots = PROGRAMS_PER_SM.get(block_tokens, 1) * sms
+    programs = max(1, min(steps // MIN_STEPS, triton.cdiv(slots, triton.cdiv(m, block_tokens))))
+    return DecodeFp8Config(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments)
+
+
+def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int):
+    """The GEMM kernel specialized as a launch specializes it, for ``triton.compile`` off the GPU
+    (the tests' sm_90a builds)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
+           "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr"}
+    return GluonASTSource(_decode_fp8_kernel, sig,
+                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments},
+                          attrs={(2,): [["tt.divisibility", 16]]})
+
+
+def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU on the fp8 tensor cores, in x's dtype.
+
+    x may be fp16, bf16 or fp32, any strides; ``out``, if given, is a preallocated
+    [M, out_features] tensor of x's dtype with unit column stride. The weight's words are repacked
+    on the first call (``decode_wgmma.packed_words``).
+
+    Three stages: ``actquant`` (x' in e4m3 with a per-token scale, fp8 MMA column order), the GEMM
+    (fp32 partials), ``transforms.hadamard_output`` (their sum, Hn, the row scales and the
+    activation scale / 64). Accuracy is the fp8 paths' (e4m3 weights and activations).
+    """
+    check_operands(x, qw, "decode_fp8")
+    check_codebook(qw, "decode_fp8")
+    if not runs_on(x.device, qw.bits):
+        raise ValueError(f"decode_fp8 runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
+                         f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
+    x2d = x.reshape(-1, x.shape[-1])
+    m = x2d.shape[0]
+    cfg = config or decode_fp8_config(qw, m, x.device)
+    xq, xscale, _ = prepare_actquant(x2d, qw, True, None, keep=False, mma_order=True)
+    ws, counts = gemm_partials(xq, qw, cfg)
+    y = output_tensor(x, m, qw.out_features, out)
+    hadamard_output(ws, qw, xscale * (1.0 / CORE_FP8_SCALE.value), y, segments=counts)
+    return y.reshape(*x.shape[:-1], qw.out_features)
+
+
+def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [M, Kp], fp8 MMA column
+    order) against e4m3(64 T), and each 64-row group's count of them (``hadamard_output``'s
+    ``segments``; the other partials are left unwritten)."""
+    m = xq.shape[0]
+    np_, kp = qw.padded_shape
+    if xq.dtype != FP8_DTYPE or xq.shape[1] != kp:
+        raise ValueError(f"x' must be {FP8_DTYPE} [M, {kp}], got {xq.dtype} {list(xq.shape)}")
+    nkb = kp // BLOCK_K
+    tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
+    programs = min(cfg.programs, tiles * nkb)
+    counts = segment_counts(programs, tiles, nkb, cfg.fragments, xq.device)
+    ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
+    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
+    grid = (programs, triton.cdiv(m, cfg.block_tokens))
+    prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb,
+            programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
+            num_warps=4, maxnreg=cfg.max_registers)
+    return ws, counts
+
+# -- Why the configuration is what it is ---------------------------------------------------------
+# Not yet measured on a GPU: the rule above is the fp16 kernel's structure (one wave, even split)
+# with the token block raised to 256, since the decode is the part that does not shrink with fp8.

@@ -1,0 +1,225 @@
+"""The fp8 decode GEMM (Hopper): its column order and the activations stored in it (CPU, the
+Triton interpreter), its compiled form (PTX for sm_90a), and on the GPU its e4m3 fragments bit
+for bit, its partials against the exact product of its e4m3 operands, and whole products within
+the fp8 paths' tolerance."""
+import dataclasses
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from escha.format import decode_trellis, dequantize, random_qweight
+from escha.kernels.actquant import actquant, prepare_actquant
+
+df = importlib.import_module("escha.kernels.decode_fp8")
+
+# Tolerances. The whole product: the fp8 paths' table (docs/KERNELS.md, Prefill, "Accuracy": e4m3
+# operands, per-term rms sqrt(2) * 2**-4 / sqrt(3), times 1.5). The partials against the fp64
+# product of the same e4m3 operands: only the tensor core's accumulation differs, which keeps
+# about 14 bits while summing a k32 step's products into the fp32 accumulator (DeepSeek-V3
+# technical report, section 3.3.2, "Increasing Accumulation Precision", measured on Hopper): at
+# most K/32 = 448 such additions (K = 14336), rounding in random directions, give a normwise
+# error near sqrt(448) * 2**-14 = 1.3e-3; the bound is 2**-9.
+FP8_TOL = 0.077
+PARTIALS_TOL = 2.0**-9
+
+
+def test_column_order_keeps_a_threads_tiles():
+    """The fp8 MMA column order is a permutation in which lane t's columns (4 t + e' and 16 + 4 t
+    + e' of every k32 step) are exactly tiles 2t and 2t + 1, and a register's four bytes are
+    columns c, c + 8 of both tiles."""
+    order = df.fp8_mma_column_order()
+    assert sorted(order.tolist()) == list(range(128))
+    kk = torch.arange(128)
+    t = (kk // 4) % 4
+    assert torch.equal(order // 32, t)  # tiles 2t, 2t + 1 = T columns 32 t .. 32 t + 31
+    reg = order.reshape(32, 4)  # the four bytes of each register
+    assert torch.equal(reg[:, 1] - reg[:, 0], torch.full((32,), 8))
+    assert torch.equal(reg[:, 2] - reg[:, 0], torch.full((32,), 16))
+    assert torch.equal(reg[:, 3] - reg[:, 0], torch.full((32,), 24))
+
+
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (70, 520)])
+def test_actquant_mma_order_permutes_each_block(m, k):
+    """actquant(..., mma_order=True) stores x' exactly as the plain store, each 128-block in the fp8
+    MMA column order, with the same scales (Triton interpreter on the CPU)."""
+    qw = random_qweight(64, k, bits=2, seed=k)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    plain, s0 = actquant(x, qw)
+    ordered, s1, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True)
+    assert torch.equal(s0, s1)
+    assert torch.equal(ordered.view(torch.uint8), df.mma_order(plain).view(torch.uint8))
+
+
+def test_mma_order_needs_fp8():
+    qw = random_qweight(64, 128, bits=2, seed=0)
+    with pytest.raises(ValueError, match="fp8=True"):
+        prepare_actquant(torch.randn(2, 128), qw, False, None, keep=False, mma_order=True)
+
+
+@pytest.mark.parametrize("m,block", [(1, 64), (64, 64), (65, 128), (128, 128), (129, 256), (256, 256), (300, 256),
+                                     (5000, 256)])
+def test_rule_blocks_and_one_wave(m, block):
+    cfg = df._config(17408, 5120, m, None)
+    assert cfg.block_tokens == block and cfg.fragments == 1
+    blocks = -(-m // block)
+    assert cfg.programs == min(17408 // 64 * 40 // df.MIN_STEPS,
+                               -(-df.PROGRAMS_PER_SM[block] * df.HOPPER_SMS // blocks))
+
+
+def test_rule_refuses_no_tokens():
+    qw = random_qweight(64, 128, bits=2, seed=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        df.decode_fp8_config(qw, 0)
+
+
+def test_refuses_the_cpu():
+    qw = random_qweight(64, 128, bits=2, seed=0)
+    with pytest.raises(ValueError, match="Hopper"):
+        df.decode_fp8(torch.randn(2, 128), qw)
+
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from escha.kernels.decode_fp8 import PROGRAMS_PER_SM, gemm_source, rule_variant
+out = {}
+for bn in sorted(PROGRAMS_PER_SM):
+    _, frags, stages = rule_variant(bn)
+    for bits in (2, 3):
+        k = triton.compile(gemm_source(bits, bn, stages, frags), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4})
+        out[f"{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex(), k.asm["ptx"]]
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """(shared bytes, cubin, PTX) of the rule's GEMM variants at K = 2 and 3, compiled for sm_90a
+    in a child process (compiling Gluon and the CPU interpreter do not mix in one process)."""
+    script = tmp_path_factory.mktemp("sm90") / "compile_decode_fp8.py"
+    script.write_text(_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {tuple(int(v) for v in k.split(",")): p for k, p in json.loads(run.stdout).items()}
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bn", sorted(df.PROGRAMS_PER_SM))
+def test_ptx_fp8_mma_from_registers(builds, bits, bn):
+    """Every wgmma is m64nBNk32 e4m3 x e4m3 with A in registers (four of them a thread), four a
+    step; nothing is stored to shared memory (the decoded weights stay in registers); each step
+    converts its 64 weights a thread with 32 mul.f16x2 (the factor 64) and 32 cvt to e4m3x2."""
+    ptx = builds[(bits, bn)][2]
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3\s+\{[^}]*\},\s*\{(%r\d+,?){4}\}",
+                      ptx)
+    assert len(mmas) == 4 and all(n == str(bn) for n, _ in mmas)
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4
+    assert "st.shared" not in ptx
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", ptx)) == 32
+    assert len(re.findall(r"mul(?:\.rn)?\.f16x2", ptx)) == 32
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bn", sorted(df.PROGRAMS_PER_SM))
+def test_programs_per_sm_is_the_compiled_occupancy(builds, bits, bn):
+    """PROGRAMS_PER_SM is what an sm_90 SM holds of the rule's build: 64K registers (8 a thread at a
+    time, 128 threads a program), 228 KB of shared memory (1 KB reserved a program)."""
+    from escha.kernels.triton_compat import TRITON_RELEASE
+    shared, cubin, _ = builds[(bits, bn)]
+    tool = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".fp8_{bits}_{bn}.cubin")
+    try:
+        with open(path, "wb") as f:
+            f.write(bytes.fromhex(cubin))
+        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+    assert int(re.search(r"STACK:(\d+)", text).group(1)) == 0  # no spills
+    regs = -(-int(re.search(r"\bREG:(\d+)", text).group(1)) // 8) * 8
+    fits = min(65536 // (128 * regs), 233472 // (shared + 1024))
+    if TRITON_RELEASE == (3, 6):
+        assert df.PROGRAMS_PER_SM[bn] == fits
+    else:
+        assert df.PROGRAMS_PER_SM[bn] <= fits
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def fp8_core(qw) -> torch.Tensor:
+    """e4m3(64 T) [Np, Kp] from the reference codec (64 T is exact; e4m3 rounds to nearest even)."""
+    return (decode_trellis(qw).float() * 64).to(torch.float8_e4m3fn)
+
+
+def summed_partials(ws: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """fp64 [M, Np]: each 64-row group's written partials summed (the others are not read)."""
+    out = torch.zeros(ws.shape[1:], dtype=torch.float64, device=ws.device)
+    for g, c in enumerate(counts.tolist()):
+        out[:, 64 * g:64 * g + 64] = ws[:c, :, 64 * g:64 * g + 64].double().sum(0)
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("shape", [(128, 128), (300, 520), (17408, 5120)])
+def test_fragments_bit_exact(bits, shape):
+    qw = random_qweight(*shape, bits=bits, seed=sum(shape) + bits, device="cuda")
+    got = df.decoded_fragments(qw)
+    want = df.mma_order(fp8_core(qw))
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 64, 100, 128, 256, 300])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_partials_are_the_e4m3_product(m, bits):
+    """The GEMM's partials, summed, are x'_q (64 T)^T of its own e4m3 operands within the
+    accumulation bound, on the rule's grid and on grids of one step a program and one program."""
+    qw = random_qweight(300, 700, bits=bits, seed=m + bits, device="cuda")
+    x = torch.randn(m, 700, device="cuda", dtype=torch.bfloat16)
+    xq, _, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True)
+    ref = xq.double() @ df.mma_order(fp8_core(qw)).double().T
+    cfg = df.decode_fp8_config(qw, m, x.device)
+    steps = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
+    for programs in (cfg.programs, steps, 1):
+        ws, counts = df.gemm_partials(xq, qw, dataclasses.replace(cfg, programs=programs))
+        got = summed_partials(ws, counts)
+        assert float((got - ref).norm() / ref.norm()) <= PARTIALS_TOL, programs
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 65, 128, 200, 256, 300, 600])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemm_within_tolerance(m, dtype):
+    qw = random_qweight(300, 700, bits=2 + m % 2, seed=m, device="cuda")
+    x = torch.randn(m, 700, device="cuda", dtype=dtype)
+    out = torch.full((m, 300), float("nan"), device="cuda", dtype=dtype)
+    y = df.decode_fp8(x, qw, out=out)
+    ref = x.double() @ dequantize(qw).double().T
+    assert y.dtype == dtype and y.shape == (m, 300) and torch.isfinite(y).all()
+    assert float((y.double() - ref).norm() / ref.norm()) <= FP8_TOL
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_nan_row_stays_in_its_row():
+    qw = random_qweight(256, 512, bits=2, seed=3, device="cuda")
+    x = torch.randn(130, 512, device="cuda", dtype=torch.bfloat16)
+    x[17, 5] = float("nan")
+    y = df.decode_fp8(x, qw)
+    assert torch.isnan(y[17]).all()
+    assert torch.isfinite(torch.cat([y[:17], y[18:]])).all()
