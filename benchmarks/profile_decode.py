@@ -21,6 +21,7 @@ import torch
 
 from escha.format import random_qweight
 from escha.kernels import decode
+from escha.kernels.decode_fp8 import decode_fp8
 from escha.kernels.decode_wgmma import decode_wgmma, decode_wgmma_config
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336)}
@@ -55,7 +56,7 @@ def timeline(run, calls: int) -> list[list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--path", choices=("wgmma", "portable"), default="wgmma")
+    ap.add_argument("--path", choices=("wgmma", "portable", "fp8"), default="wgmma")
     ap.add_argument("--shape", choices=tuple(SHAPES), default="gate_up")
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--calls", type=int, default=5)
@@ -71,6 +72,8 @@ def main() -> None:
     def run() -> None:
         if args.path == "wgmma":
             decode_wgmma(x, qw, config=cfg)
+        elif args.path == "fp8":
+            decode_fp8(x, qw)
         else:
             decode(x, qw)
 
