@@ -51,15 +51,18 @@ def test_actquant_mma_order_permutes_each_block(m, k):
     qw = random_qweight(64, k, bits=2, seed=k)
     x = torch.randn(m, k, dtype=torch.bfloat16)
     plain, s0 = actquant(x, qw)
-    ordered, s1, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True)
-    assert torch.equal(s0, s1)
+    ordered, s1, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True, scale_mul=2.0**-6)
+    assert torch.equal(s0 * 2.0**-6, s1)
     assert torch.equal(ordered.view(torch.uint8), df.mma_order(plain).view(torch.uint8))
 
 
-def test_mma_order_needs_fp8():
+def test_mma_order_and_scale_mul_need_fp8():
     qw = random_qweight(64, 128, bits=2, seed=0)
     with pytest.raises(ValueError, match="fp8=True"):
         prepare_actquant(torch.randn(2, 128), qw, False, None, keep=False, mma_order=True)
+    for mul, fp8 in ((0.3, True), (0.5, False)):
+        with pytest.raises(ValueError, match="power of two"):
+            prepare_actquant(torch.randn(2, 128), qw, fp8, None, keep=False, scale_mul=mul)
 
 
 @pytest.mark.parametrize("m,block", [(1, 64), (64, 64), (65, 128), (128, 128), (129, 256), (256, 256), (300, 256),

@@ -39,7 +39,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..format.qweight import QuantizedWeight
 from .actquant import prepare_actquant
-from .common import CORE_FP8_SCALE, FP8_DTYPE, check_codebook, check_operands, output_tensor, prepare
+from .common import (CORE_FP8_SCALE, FP8_DTYPE, check_codebook, check_operands, device_constant, output_tensor,
+                     prepare)
 from .decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, HOPPER_SMS, SUPPORTED_BITS, WORDS_LAYOUT, WORDS_SMEM_LAYOUT,
                            _fragment_words, _iota, _most_segments, _next_step, _packed, _pair_values, _state_values,
                            _word_row, runs_on, segment_counts)
@@ -292,10 +293,12 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
-    xq, xscale, _ = prepare_actquant(x2d, qw, True, None, keep=False, mma_order=True)
+    # The activation scale comes divided by 64 (exact), undoing the weights' factor in the output.
+    xq, inv, _ = prepare_actquant(x2d, qw, True, None, keep=False, mma_order=True,
+                                  scale_mul=1.0 / CORE_FP8_SCALE.value)
     ws, counts = gemm_partials(xq, qw, cfg)
     y = output_tensor(x, m, qw.out_features, out)
-    hadamard_output(ws, qw, xscale * (1.0 / CORE_FP8_SCALE.value), y, segments=counts)
+    hadamard_output(ws, qw, inv, y, segments=counts)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
@@ -310,7 +313,9 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
     nkb = kp // BLOCK_K
     tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
     programs = min(cfg.programs, tiles * nkb)
-    counts = segment_counts(programs, tiles, nkb, cfg.fragments, xq.device)
+    # Built once per grid (device ops inside a graph would be kernels of every replay).
+    counts = device_constant(("segments", programs, tiles, nkb, cfg.fragments), xq.device,
+                             lambda: segment_counts(programs, tiles, nkb, cfg.fragments, xq.device))
     ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
