@@ -28,7 +28,7 @@ import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import decode_trellis, dequantize, random_qweight
-from escha.kernels.actquant import prepare_actquant
+from escha.kernels.transforms import prepare_input
 from escha.kernels.decode_fp8 import (MIN_STEPS, PROGRAMS_PER_SM, decode_fp8, decode_fp8_config, decoded_fragments,
                                       gemm_partials, mma_order)
 from escha.kernels.decode_wgmma import decode_wgmma, packed_words
@@ -62,7 +62,7 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
     y = decode_fp8(x, qw, config=cfg)
     e_call = rel_err(y, x.double() @ w_ref.T) if torch.isfinite(y).all() else float("nan")
-    xq, _, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True)
+    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
     ws, counts = gemm_partials(xq, qw, cfg)
     got = torch.zeros(ws.shape[1:], dtype=torch.float64, device="cuda")
     for g, c in enumerate(counts.tolist()):

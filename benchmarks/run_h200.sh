@@ -62,7 +62,7 @@
 #                  its GPU tests, compute-sanitizer memcheck and racecheck over its sanitizer cases
 #                  (the small grid at 1, 130 and 300 tokens), then bench_decode_fp8.py (K=2 at
 #                  64-512 tokens on three shapes, K=3 at 128 and 256 on two) beside cuBLAS and
-#                  escha's other paths.
+#                  escha's other paths; then each of its three kernels timed alone (breakdown.py).
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
@@ -213,6 +213,7 @@ case "$phase" in
     step bench_fp8 240 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8" --rounds 3
     step bench_fp8_k3 90 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8_k3" --rounds 3 --bits 3 \
       --ms 128,256 --shapes gate_up,down
+    step breakdown_fp8 90 python benchmarks/results/decode_fp8/breakdown.py "$out/breakdown_fp8"
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \

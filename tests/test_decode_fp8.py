@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from escha.format import decode_trellis, dequantize, random_qweight
-from escha.kernels.actquant import actquant, prepare_actquant
+from escha.format import input_transform
+from escha.kernels.transforms import prepare_input
 
 df = importlib.import_module("escha.kernels.decode_fp8")
 
@@ -45,24 +46,35 @@ def test_column_order_keeps_a_threads_tiles():
 
 
 @pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (70, 520)])
-def test_actquant_mma_order_permutes_each_block(m, k):
-    """actquant(..., mma_order=True) stores x' exactly as the plain store, each 128-block in the fp8
-    MMA column order, with the same scales (Triton interpreter on the CPU)."""
+@pytest.mark.parametrize("outlier", [False, True])
+def test_input_transform_fp8(m, k, outlier):
+    """The input transform's fp8 form (Triton interpreter on the CPU): x' * 2**e rounded to e4m3
+    (|x' 2**e| <= 2**8, so no saturation) in the fp8 MMA column order, with 2**-e / 64: back in
+    T's order and scaled, each value is x' within e4m3's rounding (half an ulp: 2**-4 relative,
+    or 2**-10 2**-e below the normal range), also for a row with a 1000x outlier."""
     qw = random_qweight(64, k, bits=2, seed=k)
     x = torch.randn(m, k, dtype=torch.bfloat16)
-    plain, s0 = actquant(x, qw)
-    ordered, s1, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True, scale_mul=2.0**-6)
-    assert torch.equal(s0 * 2.0**-6, s1)
-    assert torch.equal(ordered.view(torch.uint8), df.mma_order(plain).view(torch.uint8))
+    if outlier:
+        x[0, k // 3] = 1000.0
+    xq, inv, _ = prepare_input(x, qw, keep=False, fp8=True)
+    assert xq.dtype == torch.float8_e4m3fn and xq.shape == (m, qw.padded_shape[1])
+    assert torch.equal(torch.frexp(inv).mantissa, torch.full_like(inv, 0.5))  # powers of two
+    assert float(xq.float().abs().max()) <= 256
+    order = df.fp8_mma_column_order()
+    back = torch.empty_like(xq.float())
+    for b in range(xq.shape[1] // 128):
+        back[:, 128 * b + order] = xq.float()[:, 128 * b:128 * b + 128]
+    step = (inv * 64).double()[:, None]  # 2**-e
+    got = back.double() * step
+    want = input_transform(x.double(), qw).double()
+    assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
 
 
-def test_mma_order_and_scale_mul_need_fp8():
+def test_input_transform_fp8_has_one_order():
     qw = random_qweight(64, 128, bits=2, seed=0)
-    with pytest.raises(ValueError, match="fp8=True"):
-        prepare_actquant(torch.randn(2, 128), qw, False, None, keep=False, mma_order=True)
-    for mul, fp8 in ((0.3, True), (0.5, False)):
-        with pytest.raises(ValueError, match="power of two"):
-            prepare_actquant(torch.randn(2, 128), qw, fp8, None, keep=False, scale_mul=mul)
+    for kwargs in ({"mma_order": True}, {"halves": True}):
+        with pytest.raises(ValueError, match="decode_fp8's column order"):
+            prepare_input(torch.randn(2, 128), qw, keep=False, fp8=True, **kwargs)
 
 
 @pytest.mark.parametrize("m,block", [(1, 64), (64, 64), (65, 128), (128, 128), (129, 256), (256, 256), (300, 256),
@@ -97,7 +109,7 @@ for bn in sorted(PROGRAMS_PER_SM):
     _, frags, stages = rule_variant(bn)
     for bits in (2, 3):
         k = triton.compile(gemm_source(bits, bn, stages, frags), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4})
+                           options={"num_warps": 4, "launch_pdl": True})
         out[f"{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex(), k.asm["ptx"]]
 json.dump(out, sys.stdout)
 """
@@ -131,6 +143,11 @@ def test_ptx_fp8_mma_from_registers(builds, bits, bn):
     assert "st.shared" not in ptx
     assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", ptx)) == 32
     assert len(re.findall(r"mul(?:\.rn)?\.f16x2", ptx)) == 32
+    # Dependent launch: the wait for x' once, after the first word copies and before any activation
+    # copy; the release once, after the loop.
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    copies = [mo.start() for mo in re.finditer(r"cp\.async\.bulk\.tensor", ptx)]
+    assert copies[0] < ptx.index("griddepcontrol.wait") < copies[-1] < ptx.index("griddepcontrol.launch_dependents")
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -193,7 +210,7 @@ def test_partials_are_the_e4m3_product(m, bits):
     accumulation bound, on the rule's grid and on grids of one step a program and one program."""
     qw = random_qweight(300, 700, bits=bits, seed=m + bits, device="cuda")
     x = torch.randn(m, 700, device="cuda", dtype=torch.bfloat16)
-    xq, _, _ = prepare_actquant(x, qw, True, None, keep=False, mma_order=True)
+    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
     ref = xq.double() @ df.mma_order(fp8_core(qw)).double().T
     cfg = df.decode_fp8_config(qw, m, x.device)
     steps = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
@@ -219,10 +236,26 @@ def test_gemm_within_tolerance(m, dtype):
 
 @pytest.mark.gpu
 @gpu
-def test_a_nan_row_stays_in_its_row():
+@pytest.mark.parametrize("m", [1, 130])
+def test_gemm_with_an_outlier_row(m):
+    """A token with one input 1000x the others (massive activations): its scale is a power of
+    two from its max |x|, and the product stays within the fp8 table."""
+    qw = random_qweight(300, 700, bits=2, seed=m, device="cuda")
+    x = torch.randn(m, 700, device="cuda", dtype=torch.bfloat16)
+    x[0, 123] = 1000.0
+    y = df.decode_fp8(x, qw)
+    ref = x.double() @ dequantize(qw).double().T
+    for rows in (slice(0, 1), slice(0, m)):
+        assert float((y[rows].double() - ref[rows]).norm() / ref[rows].norm()) <= FP8_TOL
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_nan_or_inf_row_stays_in_its_row():
     qw = random_qweight(256, 512, bits=2, seed=3, device="cuda")
     x = torch.randn(130, 512, device="cuda", dtype=torch.bfloat16)
     x[17, 5] = float("nan")
+    x[40, 9] = float("inf")
     y = df.decode_fp8(x, qw)
-    assert torch.isnan(y[17]).all()
-    assert torch.isfinite(torch.cat([y[:17], y[18:]])).all()
+    assert torch.isnan(y[17]).all() and torch.isnan(y[40]).all()
+    assert torch.isfinite(torch.cat([y[:17], y[18:40], y[41:]])).all()

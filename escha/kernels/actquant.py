@@ -10,7 +10,6 @@ usually the second time from L2, but x' is never written in fp32) and stores e4m
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -67,13 +66,10 @@ def absmax_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, M, K, stride_xm, T: tl.constex
 @triton.jit
 def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, stride_xm, stride_om,
                     T: tl.constexpr, NKB: tl.constexpr, NKB_P2: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr, MMA_ORDER: tl.constexpr = False,
-                    SCALE_MUL: tl.constexpr = 1.0):
+                    DOT_DTYPE: tl.constexpr):
     """Pass 2, over pass 1's tiles: reduce the rows' NKB partial maxima to their scales, recompute
     x'[rows, k block] and store it in e4m3. Every tile of a row block derives the same scale from
-    the same partials (max is exact and order-free); the k-block-0 tile stores it. MMA_ORDER
-    stores each 128-block in decode_fp8's column order (``decode_fp8.fp8_mma_column_order``);
-    the stored scales are multiplied by SCALE_MUL (a power of two: exact)."""
+    the same partials (max is exact and order-free); the k-block-0 tile stores it."""
     h = load_hadamard(h_ptr)
     j = tl.arange(0, NKB_P2)
     for i in range(T):
@@ -91,14 +87,10 @@ def quantize_kernel(x_ptr, sv_ptr, h_ptr, part_ptr, out_ptr, xscale_ptr, M, K, s
         # through the reference transform.
         # (The k-block-0 tile's rows only: the condition goes into the bound, since Triton 3.9's
         # interpreter rejects a tensor mask combined with a scalar condition.)
-        tl.store(xscale_ptr + rows, tl.where(bad, float("nan"), amax * (INV_SQRT_HAD / FP8_MAX) * SCALE_MUL),
+        tl.store(xscale_ptr + rows, tl.where(bad, float("nan"), amax * (INV_SQRT_HAD / FP8_MAX)),
                  mask=rows < tl.where(kb == 0, M, 0))
         v = _transformed_block(x_ptr, sv_ptr, rows, row_ok, kb * HB, K, stride_xm, h, DOT_DTYPE, HB)
         q = tl.minimum(tl.maximum(v * inv[:, None], -FP8_MAX), FP8_MAX)
-        if MMA_ORDER:
-            # T column 32 t + 16 u + 8 e + 2 s + h sits at MMA column 32 s + 16 h + 4 t + 2 u + e:
-            # the column index's bits (t1 t0 u e s1 s0 h) -> (s1 s0 h t1 t0 u e), in registers.
-            q = tl.reshape(tl.permute(tl.reshape(q, [BM, 2, 2, 2, 2, 2, 2, 2]), (0, 5, 6, 7, 1, 2, 3, 4)), [BM, HB])
         cols = kb * HB + tl.arange(0, HB)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], round_to(q, tl.float8e4nv),
                  mask=row_ok[:, None])
@@ -170,16 +162,11 @@ QUANTIZE_SLOTS = ("x_ptr", "part_ptr", "out_ptr", "xscale_ptr")
 
 
 def prepare_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: ActQuantConfig | None,
-                     keep: bool, mma_order: bool = False, scale_mul: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+                     keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
     """``actquant`` of x2d [M, in] (checked by the caller; any strides) and, with ``keep``, its
     launches prepared to run again (``common.Prepared``, slots ``BF16_SLOTS`` or ``ABSMAX_SLOTS``
     and ``QUANTIZE_SLOTS``), else (or where a launch keeps nothing, ``common.prepare``) None. x2d must have unit column stride for them to apply
-    again: callers key on it. ``mma_order`` (fp8 only): x' in ``decode_fp8``'s column order;
-    ``scale_mul`` (fp8 only, a power of two) multiplies the returned scales."""
-    if scale_mul != 1.0 and (not fp8 or math.frexp(scale_mul)[0] != 0.5):
-        raise ValueError(f"scale_mul must be a power of two, with fp8=True; got {scale_mul} (fp8={fp8})")
-    if mma_order and not fp8:
-        raise ValueError("mma_order is decode_fp8's layout of the e4m3 activations: it needs fp8=True")
+    again: callers key on it."""
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     m, k = x2d.shape
@@ -206,7 +193,7 @@ def prepare_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: 
         args2 = (x2d, qw.sv, h, part, out, xscale, m, k, x2d.stride(0), out.stride(0))
         plans = (prepare(absmax_kernel, grid, *args1, slots=ABSMAX_SLOTS if keep else None, **settings),
                  prepare(quantize_kernel, grid, *args2, slots=QUANTIZE_SLOTS if keep else None,
-                         NKB_P2=triton.next_power_of_2(nkb), MMA_ORDER=mma_order, SCALE_MUL=scale_mul, **settings))
+                         NKB_P2=triton.next_power_of_2(nkb), **settings))
     return out, xscale, None if None in plans else plans
 
 

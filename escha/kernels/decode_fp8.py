@@ -6,8 +6,8 @@ The register-operand decode kernel (``decode_wgmma``) with fp8 operands: the sam
 (``pack_words``), the same even split of (row tile, k-block) steps over one wave of programs, the
 same TMA ring and fp32 partials for ``transforms.hadamard_output``; but each decoded weight is
 scaled by 64 and rounded to e4m3 (as the dequantize-once core, ``dequant.dequantize_core``:
-|64 T| < 256, a power of two, no saturation), and the activations are ``actquant``'s e4m3 x' with
-its per-token scale, so each step is ``wgmma ... m64nNk32 .e4m3.e4m3`` with A in registers: half
+|64 T| < 256, a power of two, no saturation), and the activations are e4m3 (the input transform's
+``fp8`` form: x' times a power of two per token, |x' 2**e| <= 2**8), so each step is ``wgmma ... m64nNk32 .e4m3.e4m3`` with A in registers: half
 the tensor-core time and half the activation bytes of the fp16 kernel, at the fp8 paths' accuracy
 (docs/KERNELS.md, Prefill, "Accuracy"). Meant for the token counts where the fp16 kernel's MMAs
 cost as much as its decode (128 and more).
@@ -15,7 +15,7 @@ cost as much as its decode (128 and more).
 Layout. The A fragment of m64nNk32 (8-bit types) gives a thread of warp w, lane 4g + t the rows
 {16w + g, 16w + g + 8} and, in each 32-wide k step s, the columns {32 s + 4 t + e', 32 s + 16 +
 4 t + e'}, e' = 0..3, one 32-bit register each. The MMA's k order inside a 128-block is ours
-(``actquant(..., mma_order=True)`` stores x' the same way), chosen so that a thread again owns
+(``transforms.prepare_input(..., fp8=True)`` stores x' the same way), chosen so that a thread again owns
 tiles 2t and 2t + 1 of the block, whose row windows are the fp16 kernel's words:
 
     MMA column kk = 32 s + 16 h + 4 t + 2 u + e   holds   T column 16 (2t + u) + (2 s + h) + 8 e
@@ -38,14 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..format.qweight import QuantizedWeight
-from .actquant import prepare_actquant
-from .common import (CORE_FP8_SCALE, FP8_DTYPE, check_codebook, check_operands, device_constant, output_tensor,
-                     prepare)
-from .decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, HOPPER_SMS, SUPPORTED_BITS, WORDS_LAYOUT, WORDS_SMEM_LAYOUT,
-                           _fragment_words, _iota, _most_segments, _next_step, _packed, _pair_values, _state_values,
+from .common import (FP8_DTYPE, check_codebook, check_operands, dependent_launch_supported, device_constant,
+                     output_tensor, prepare)
+from .decode_wgmma import (_RELEASE_ASM, _WAIT_ASM, BLOCK_K, FRAGMENT_ROWS, HOPPER_SMS, SUPPORTED_BITS, WORDS_LAYOUT,
+                           WORDS_SMEM_LAYOUT, _fragment_words, _grid_dependency, _iota, _most_segments, _next_step, _packed, _pair_values, _state_values,
                            _word_row, runs_on, segment_counts)
 from .triton_compat import smem_reinterpret, tma_async_load
-from .transforms import hadamard_output
+from .transforms import hadamard_output, prepare_input
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
 
@@ -96,11 +95,14 @@ def _decode_fp8_fragment(w, BITS: gl.constexpr, L8: gl.constexpr, A_LAYOUT: gl.c
 
 @gluon.jit
 def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
-                       BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr):
+                       BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
+                       PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's row tiles x NKB k-blocks (a tile is 64 FRAGS weight rows), each
     z^T[64 FRAGS rows, BN tokens] += e4m3(64 T_blk) x'_q^T, written as fp32 partials
-    [segments, M, Np] (``decode_wgmma._decode_wgmma_kernel``'s split, ring and output)."""
+    [segments, M, Np] (``decode_wgmma._decode_wgmma_kernel``'s split, ring and output). With PDL
+    it fetches its first words while the input transform runs, then waits for x', and releases
+    the output transform after its loop."""
     p = gl.program_id(0)
     tb = gl.program_id(1)
     s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)
@@ -129,8 +131,14 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
         tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
-        tma_async_load(x_desc, [row0, kb_in * 128], bars.index(i), x_smem.index(i), pred=i < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
+    if PDL:
+        _grid_dependency(_WAIT_ASM)
+    kb_x = kb
+    for i in gl.static_range(STAGES):
+        tma_async_load(x_desc, [row0, kb_x * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        kb_x += 1
+        kb_x = gl.where(kb_x == NKB, 0, kb_x)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
@@ -174,6 +182,8 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         stage += 1
         phase ^= (stage == STAGES).to(gl.int32)
         stage = gl.where(stage == STAGES, 0, stage)
+    if PDL:
+        _grid_dependency(_RELEASE_ASM)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -224,6 +234,7 @@ class DecodeFp8Config:
     programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
     stages: int  # activation and word buffers in the TMA ring
     fragments: int  # 64-row A fragments per program (1 or 2)
+    dependent_launch: bool  # the three kernels as programmatic dependents, the GEMM starting early
     max_registers: int | None = None  # ptxas's register cap per thread (None: its own choice)
 
 
@@ -257,19 +268,21 @@ def _config(np_: int, kp: int, m: int, device: torch.device | None) -> DecodeFp8
     steps = np_ // (FRAGMENT_ROWS * fragments) * (kp // BLOCK_K)
     slots = PROGRAMS_PER_SM.get(block_tokens, 1) * sms
     programs = max(1, min(steps // MIN_STEPS, triton.cdiv(slots, triton.cdiv(m, block_tokens))))
-    return DecodeFp8Config(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments)
+    return DecodeFp8Config(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments,
+                           dependent_launch=device is None or dependent_launch_supported(device))
 
 
-def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int):
+def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True):
     """The GEMM kernel specialized as a launch specializes it, for ``triton.compile`` off the GPU
     (the tests' sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
            "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr"}
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_fp8_kernel, sig,
-                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments},
+                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
+                                      "PDL": pdl},
                           attrs={(2,): [["tt.divisibility", 16]]})
 
 
@@ -281,9 +294,10 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     [M, out_features] tensor of x's dtype with unit column stride. The weight's words are repacked
     on the first call (``decode_wgmma.packed_words``).
 
-    Three stages: ``actquant`` (x' in e4m3 with a per-token scale, fp8 MMA column order), the GEMM
-    (fp32 partials), ``transforms.hadamard_output`` (their sum, Hn, the row scales and the
-    activation scale / 64). Accuracy is the fp8 paths' (e4m3 weights and activations).
+    Three kernels, programmatic dependents where the device has them: ``transforms.prepare_input``
+    with ``fp8`` (x' * 2**e in e4m3, fp8 MMA column order), the GEMM (fp32 partials), and
+    ``transforms.hadamard_output`` (their sum, Hn, the row scales, 2**-e / 64). Accuracy is the
+    fp8 paths' (e4m3 weights and activations).
     """
     check_operands(x, qw, "decode_fp8")
     check_codebook(qw, "decode_fp8")
@@ -293,18 +307,17 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
-    # The activation scale comes divided by 64 (exact), undoing the weights' factor in the output.
-    xq, inv, _ = prepare_actquant(x2d, qw, True, None, keep=False, mma_order=True,
-                                  scale_mul=1.0 / CORE_FP8_SCALE.value)
+    pdl = cfg.dependent_launch
+    xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, keep=False, fp8=True)
     ws, counts = gemm_partials(xq, qw, cfg)
     y = output_tensor(x, m, qw.out_features, out)
-    hadamard_output(ws, qw, inv, y, segments=counts)
+    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, segments=counts)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [M, Kp], fp8 MMA column
-    order) against e4m3(64 T), and each 64-row group's count of them (``hadamard_output``'s
+    order: ``prepare_input(..., fp8=True)``) against e4m3(64 T), and each 64-row group's count of them (``hadamard_output``'s
     ``segments``; the other partials are left unwritten)."""
     m = xq.shape[0]
     np_, kp = qw.padded_shape
@@ -321,7 +334,7 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
     prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb,
             programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
-            num_warps=4, maxnreg=cfg.max_registers)
+            PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts
 
 # -- Why the configuration is what it is ---------------------------------------------------------

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, constant_vector, dot_dtype, hadamard128,
+from .common import (FP8_DTYPE, INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, constant_vector, dot_dtype, hadamard128,
                      hadamard_operand, interpreted, load_hadamard, prepare, release_dependents, round_to,
                      row_scale_block, wait_for_producer)
 
@@ -45,7 +45,8 @@ def _normed(x, nw_ptr, k, mask, rstd, NORM: tl.constexpr, X_DTYPE: tl.constexpr)
 def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, Kp, stride_xm, stride_xk,
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
                             MMA_ORDER: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr,
-                            RELEASE_EARLY: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr):
+                            RELEASE_EARLY: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr,
+                            FP8: tl.constexpr = False):
     """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
 
     MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order); with
@@ -54,7 +55,8 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
     while this runs; without RELEASE_EARLY it launches as this kernel's programs exit. With NORM
     the row first goes through the RMSNorm that precedes the layer (weight ``nw``, ``eps``), as
     the model computes it: x * rsqrt(mean(x**2) + eps) in fp32, rounded to x's dtype, times the
-    weight, rounded again.
+    weight, rounded again. FP8 stores e4m3 instead, bounded by 2**8 (not 2**15), in decode_fp8's
+    column order, with 2**-e / 64 as the row's factor (decode_fp8's weights are 64 T).
     """
     wait_for_producer(PDL)
     release_dependents(PDL and RELEASE_EARLY)
@@ -93,17 +95,31 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
         amax = tl.maximum(amax, tl.abs(v))
     a = tl.max(amax, axis=0)
     # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
-    q = 32768.0 / (a * SQRT_HAD)
+    if FP8:  # e4m3: |x' * 2**e| <= 2**8 < 448
+        q = 256.0 / (a * SQRT_HAD)
+    else:
+        q = 32768.0 / (a * SQRT_HAD)
     e = ((q.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
     e = tl.minimum(tl.maximum(e, -64), 64)
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     if pc == 0:
-        tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
+        if FP8:
+            tl.store(inv_ptr + m, ((121 - e) << 23).to(tl.float32, bitcast=True))  # 2**-e / 64
+        else:
+            tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
     # CH Hadamard blocks, the rows of the tile, through the butterflies of hadamard128: sign
     # flips and +-1 products are exact, the sums fp32.
     xs = _normed(xt, nw_ptr, k, k < K_in, rstd, NORM, X_DTYPE) * sv
     h = (hadamard128(xs) * INV_SQRT_HAD) * scale
-    if HALVES:
+    if FP8:
+        # e4m3 has no infinity (a saturating conversion would turn one into 448): a row holding
+        # one becomes NaN, as its product through the reference does.
+        h = tl.where(a == float("inf"), float("nan"), h)
+        # T column 32 t + 16 u + 8 e + 2 s + h sits at MMA column 32 s + 16 h + 4 t + 2 u + e
+        # (decode_fp8.fp8_mma_column_order): bits (t1 t0 u e s1 s0 h) -> (s1 s0 h t1 t0 u e).
+        h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 5, 6, 7, 1, 2, 3, 4)), [CH, 128])
+        tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float8e4nv), mask=k < Kp)
+    elif HALVES:
         # T column 16 q + 8 a + s sits at MMA columns 2 (64 a + 8 s + 4 (q % 2) + q // 2) + e,
         # e = 0, 1 (the weight's low and high halves): bits (c3 c2 c1 c0 q0 q2 q1), then twice.
         h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 4, 5, 6, 7, 3, 1, 2)), [CH, 128])
@@ -152,10 +168,14 @@ def input_columns(kp: int, halves: bool = False) -> int:
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
                   dependent_launch: bool = False, release_early: bool = False,
                   norm: RowNorm | None = None,
-                  keep: bool = True, halves: bool = False) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+                  keep: bool = True, halves: bool = False,
+                  fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
     """``hadamard_input``, and with ``keep`` its launch prepared to run again (``common.Prepared``;
     per-call tensors ``INPUT_SLOTS``: x, x', 2**-e and the norm's weight, which is x when there is
-    none)."""
+    none). ``fp8``: x' * 2**e in e4m3, |x' * 2**e| <= 2**8, in decode_fp8's column order, and
+    2**-e / 64 (``mma_order`` and ``halves`` are the fp16 kernel's and do not apply)."""
+    if fp8 and (mma_order or halves):
+        raise ValueError("fp8 stores decode_fp8's column order: mma_order and halves are decode_wgmma's")
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
     if norm is not None and not norm.fusable(x2d):
@@ -163,7 +183,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
                          f"to be applied in the input transform")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
-    out = torch.empty((m, input_columns(kp, halves)), dtype=torch.float16, device=x2d.device)
+    out = torch.empty((m, input_columns(kp, halves)), dtype=FP8_DTYPE if fp8 else torch.float16, device=x2d.device)
     inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     ch = input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
@@ -175,7 +195,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     settings = dict(CH=ch, AMAX_BLOCK=amax_block, AMAX_STEPS=triton.cdiv(qw.in_features, amax_block),
                     MMA_ORDER=mma_order or halves, HALVES=halves, PDL=dependent_launch, RELEASE_EARLY=release_early,
                     NORM=norm is not None,
-                    X_DTYPE=TL_DTYPES[x2d.dtype], num_warps=4, launch_pdl=dependent_launch)
+                    X_DTYPE=TL_DTYPES[x2d.dtype], FP8=fp8, num_warps=4, launch_pdl=dependent_launch)
     return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS if keep else None,
                                    **settings)
 
