@@ -21,7 +21,7 @@ row is one 16-weight window sequence, so the thread needs just two 64-bit row wi
 row (``pack_words``), and register pairs (e = 0, 1) hold columns s and s + 8, which at K = 2 are
 the high and low halves of one funnel shift (``_pair_values``).
 
-The halves codec (``halves``, the rule's at K = 2 and 8 tokens): 3INST's value is the fp16 sum
+The halves codec (``halves``, the rule's at 8 tokens, K = 2 and 3): 3INST's value is the fp16 sum
 of the two halves of a 32-bit word. Here a register pair holds those two halves of one weight
 and x' is stored twice (the input transform's HALVES order), so the tensor core forms
 lo x + hi x and the prmt, prmt, add.f16x2 of each pair of weights go; each step runs two MMAs a
@@ -569,7 +569,7 @@ class DecodeWgmmaConfig:
 #: build a variant in fewer registers, never in more than the table allows).
 MEASURED_TRITON = (3, 6)
 PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
-                   (3, 8): 4, (3, 16): 4, (3, 32): 4, (3, 64): 4, (3, 128): 2}
+                   (3, 8): 5, (3, 16): 4, (3, 32): 4, (3, 64): 4, (3, 128): 2}
 #: ptxas's register cap where the rule sets one, by (K, token block): K=3's 32- and 64-token builds
 #: take 137 and 165 registers uncapped (3 programs an SM) and 128 capped, without spills (4 an SM).
 REGISTER_CAPS = {(3, 32): 128, (3, 64): 128}
@@ -606,10 +606,10 @@ def config_with_programs(qw: QuantizedWeight, m: int, programs: int | None,
 def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
     """(block_tokens, fragments, stages, halves) the rule takes for m tokens of a K=bits weight,
     whatever its shape: tokens padded to a power of two from 8 to MAX_TOKENS; the halves codec
-    with one fragment at K=2 and 8 tokens; else two fragments up to 32 tokens; a ring of 2 at 64
+    with one fragment at 8 tokens (K = 2 and 3); else two fragments up to 32 tokens; a ring of 2 at 64
     tokens and of 3 elsewhere (module note)."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
-    halves = bits == 2 and block_tokens == 8
+    halves = block_tokens == 8
     fragments = 2 if block_tokens <= 32 and not halves else 1
     return block_tokens, fragments, 2 if block_tokens == 64 else 3, halves
 
@@ -794,7 +794,11 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # (0.3-6% faster; with two fragments 2% faster). At 16-32 tokens it lost (gate_up M=16 38.2
 # against 37.6, M=32 51.6 against 41.7): each step's second MMA and activation tile outweigh the
 # integer work it saves (3.98 against 4.85 integer ops a weight at 8 tokens, offline census).
-# K=3 was not timed with it and keeps the exact codec.
+# K=3 at 8 tokens (benchmarks/results/k3_cap/h200_ad46a25/, bench_decode_wgmma --variants --bits 3,
+# one process): the halves codec with one fragment at 5 an SM ran gate_up / down / 8B down in
+# 36.2 / 22.0 / 26.0 us against the exact codec's two fragments (the rule before) 38.5 / 24.2 /
+# 28.4: 6-9% faster, so it is the rule's at K=3 too. At 16 tokens it was level (38.7 / 25.5 / 29.6
+# against 40.0 / 25.4 / 29.7) and the rule keeps the exact codec there.
 # Grid: the kernel used to split each row tile's k-range into whole slices (tiles x split
 # programs); ncu found the last, partial wave idle (gate_up M=8: 816 programs against 528 a wave,
 # decode_wgmma_ncu_h200.txt), and an early start lost up to 1.6x on such grids. With the even
