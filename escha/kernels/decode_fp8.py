@@ -338,5 +338,13 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
     return ws, counts
 
 # -- Why the configuration is what it is ---------------------------------------------------------
-# Not yet measured on a GPU: the rule above is the fp16 kernel's structure (one wave, even split)
-# with the token block raised to 256, since the decode is the part that does not shrink with fp8.
+# Measured on one H200 (torch 2.11+cu130, triton 3.6.0), CUDA graphs, weights rotated past L2,
+# median of 3, benchmarks/bench_decode_fp8.py at c0427fb (docs/KERNELS.md, "Register-operand decode
+# on the fp8 tensor cores"). One fragment a program: two spill (232 bytes at 128 tokens). Token
+# blocks of up to 256, each weight decoded once up to 256 tokens: at 256 tokens on gate_up the
+# 256-token block took 110.5 us against 131.1 for two blocks of 128 (3 programs an SM), and at
+# K=3 109.6 against 114.7; on the narrower down projection the blocks of 128 won (72.5 against
+# 81.3 at K=2, 62.8 against 79.8 at K=3), not yet explained, so the block does not follow the
+# shape. One wave of programs (PROGRAMS_PER_SM from the builds' registers and shared memory), the
+# even split and the dependent launches are decode_wgmma's, measured there. The path is not in
+# escha.matmul's rule (same section: where it wins, and at what accuracy).
