@@ -49,6 +49,9 @@ def _launches() -> Iterator[str]:
     from ..quant.encode import Backend, EncodeOptions, encode_tiles
     from .codec import CodecPath
     from .decode import decode, decode_config
+    from .decode_fp8 import _launch as decode_fp8_launch
+    from .decode_fp8 import decode_fp8_config
+    from .decode_fp8 import decoded_fragments as fp8_fragments
     from .decode_wgmma import _launch as decode_wgmma_launch
     from .decode_wgmma import decode_wgmma_config, decoded_fragments
     from .dequant import dequant_config, dequantize_core
@@ -76,6 +79,11 @@ def _launches() -> Iterator[str]:
         decode_wgmma_launch(x(1), qw, decode_wgmma_config(qw, 1, cuda), None, norm, head)
         yield f"decode_wgmma fragments K={bits}"
         decoded_fragments(qw)
+        for m in (1, 100, 200):
+            yield f"decode_fp8 K={bits} M={m}"
+            decode_fp8_launch(x(m), qw, decode_fp8_config(qw, m, cuda), None)
+        yield f"decode_fp8 fragments K={bits}"
+        fp8_fragments(qw)
         for m in (64, 256):
             yield f"prefill K={bits} M={m}"
             prefill(x(m), qw, config=dataclasses.replace(prefill_config(qw, m, cuda), **ptx))

@@ -304,6 +304,13 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     if not runs_on(x.device, qw.bits):
         raise ValueError(f"decode_fp8 runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
                          f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
+    return _launch(x, qw, config, out)
+
+
+def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """Allocate and launch the three kernels (operands already checked; compile_check calls it
+    off the GPU)."""
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
