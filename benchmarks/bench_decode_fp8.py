@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -27,23 +26,19 @@ import torch
 import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
-from escha.format import decode_trellis, dequantize, random_qweight
+from escha.format import dequantize, random_qweight
 from escha.kernels.transforms import prepare_input
-from escha.kernels.decode_fp8 import (MIN_STEPS, PROGRAMS_PER_SM, decode_fp8, decode_fp8_config, decoded_fragments,
-                                      gemm_partials, mma_order)
-from escha.kernels.decode_wgmma import decode_wgmma, packed_words
+from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
+                                      mma_order, reference_core)
+from escha.kernels.decode_wgmma import decode_wgmma, packed_words, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, weight_set  # noqa: E402
-from bench_decode_wgmma import SHAPES, rel_err  # noqa: E402
+from bench_decode_wgmma import SHAPES, rel_err, time_arms  # noqa: E402
 
 FP8_TOL = 0.077  # tests/test_decode_fp8.py
 PARTIALS_TOL = 2.0**-9
-
-
-def fp8_core(qw) -> torch.Tensor:
-    return (decode_trellis(qw).float() * 64).to(torch.float8_e4m3fn)
 
 
 def gate_fragments(log) -> bool:
@@ -51,7 +46,7 @@ def gate_fragments(log) -> bool:
     for bits in (2, 3):
         for out_f, in_f in ((300, 520), (17408, 5120)):
             qw = random_qweight(out_f, in_f, bits=bits, seed=out_f + bits, device="cuda")
-            same = torch.equal(decoded_fragments(qw).view(torch.uint8), mma_order(fp8_core(qw)).view(torch.uint8))
+            same = torch.equal(decoded_fragments(qw).view(torch.uint8), mma_order(reference_core(qw)).view(torch.uint8))
             ok &= same
             log(f"fragments K={bits} {out_f}x{in_f}: {'bit-exact' if same else 'MISMATCH'}")
     return ok
@@ -64,10 +59,8 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     e_call = rel_err(y, x.double() @ w_ref.T) if torch.isfinite(y).all() else float("nan")
     xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
     ws, counts = gemm_partials(xq, qw, cfg)
-    got = torch.zeros(ws.shape[1:], dtype=torch.float64, device="cuda")
-    for g, c in enumerate(counts.tolist()):
-        got[:, 64 * g:64 * g + 64] = ws[:c, :, 64 * g:64 * g + 64].double().sum(0)
-    ref = xq.double() @ mma_order(fp8_core(qw)).double().T
+    got = summed_partials(ws, counts)
+    ref = xq.double() @ mma_order(reference_core(qw)).double().T
     return e_call, float((got - ref).norm() / ref.norm())
 
 
@@ -111,11 +104,7 @@ def main() -> int:
                 cfg = decode_fp8_config(ws[0], m, torch.device("cuda"))
                 configs = {"fp8": cfg}
                 if m > 128:  # blocks of 128 (each weight decoded once a block), 3 programs an SM
-                    steps = ws[0].padded_shape[0] // 64 * (ws[0].padded_shape[1] // 128)
-                    wave = -(-PROGRAMS_PER_SM[128] * torch.cuda.get_device_properties(0).multi_processor_count
-                             // -(-m // 128))
-                    configs["fp8_bn128"] = dataclasses.replace(cfg, block_tokens=128, stages=3,
-                                                               programs=max(1, min(steps // MIN_STEPS, wave)))
+                    configs["fp8_bn128"] = config_with_block(ws[0], m, 128, torch.device("cuda"))
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                 x8 = xs[0].to(torch.float8_e4m3fn)
                 xscale = torch.ones(m, device="cuda")
@@ -135,18 +124,12 @@ def main() -> int:
                         log(f"GATE FAIL {name} M={m} {label}: call {e_call:.3e}, partials {e_part:.3e}")
                         continue
                     arms[label] = (lambda i, c=c: decode_fp8(xs[i % 2], ws[i], config=c), len(ws))
-                samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
-                times = {k: [] for k in samplers}
-                for _ in range(args.rounds):
-                    for k, s in samplers.items():
-                        times[k].append(s.sample())
-                med = {k: statistics.median(v) for k, v in times.items()}
+                med = time_arms(timer, arms, args.rounds)
                 point["us"] = med
                 point["config"] = dataclasses.asdict(cfg)
                 ratio = f"  fp8/bf16 {med['fp8'] / med['cublas_bf16']:.3f}" if "fp8" in med else ""
                 log(f"{name} M={m:4d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items()) + ratio
                     + f"  err {point.get('err_fp8', float('nan')):.2e} partials {point.get('err_partials_fp8', float('nan')):.2e}")
-                del samplers
             except Exception:
                 log(f"{name} M={m}: " + traceback.format_exc())
             results["points"].append(point)

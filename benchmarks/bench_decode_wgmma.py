@@ -64,6 +64,17 @@ def gate_gemm(qw: QuantizedWeight, w_ref: torch.Tensor, m: int, dtype: torch.dty
     return rel_err(y, ref)
 
 
+def time_arms(timer: GraphTimer, arms: dict, rounds: int) -> dict[str, float]:
+    """Median µs of each arm {name: (fn(i), rotation length)}: one CUDA graph an arm, ``rounds``
+    rounds interleaved across the arms in their order."""
+    samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
+    times = {k: [] for k in samplers}
+    for _ in range(rounds):
+        for k, s in samplers.items():
+            times[k].append(s.sample())
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     """Configurations beside the rule's, each one wave at the occupancy of its sm_90a build
     (cuobjdump registers and shared memory, offline): at 8-32 tokens the exact codec with one
@@ -193,19 +204,13 @@ def main() -> int:
                             log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
                             continue
                         arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
-                samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
-                times = {k: [] for k in samplers}
-                for _ in range(args.rounds):
-                    for k, s in samplers.items():
-                        times[k].append(s.sample())
-                med = {k: statistics.median(v) for k, v in times.items()}
+                med = time_arms(timer, arms, args.rounds)
                 if args.breakdown:
                     med["part_sum"] = med["part_input"] + med["part_gemm"] + med["part_output"]
                 point["us"] = med
                 point["config"] = dataclasses.asdict(cfg)
                 log(f"{name} M={m:4d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())
                     + f"  wgmma/bf16 {med['wgmma'] / med['cublas_bf16']:.3f}  err_bf16 {point['err_bfloat16']:.2e}")
-                del samplers
             except Exception:
                 log(f"{name} M={m}: " + traceback.format_exc())
             results["points"].append(point)

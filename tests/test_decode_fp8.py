@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from escha.format import decode_trellis, dequantize, random_qweight
+from escha.format import dequantize, random_qweight
 from escha.format import input_transform
+from escha.kernels.decode_wgmma import summed_partials
 from escha.kernels.transforms import prepare_input
 
 df = importlib.import_module("escha.kernels.decode_fp8")
@@ -80,11 +81,23 @@ def test_input_transform_fp8_has_one_order():
 @pytest.mark.parametrize("m,block", [(1, 64), (64, 64), (65, 128), (128, 128), (129, 256), (256, 256), (300, 256),
                                      (5000, 256)])
 def test_rule_blocks_and_one_wave(m, block):
-    cfg = df._config(17408, 5120, m, None)
-    assert cfg.block_tokens == block and cfg.fragments == 1
+    cfg = df._config(17408, 5120, m, None, None)
+    assert cfg.block_tokens == block
     blocks = -(-m // block)
     assert cfg.programs == min(17408 // 64 * 40 // df.MIN_STEPS,
                                -(-df.PROGRAMS_PER_SM[block] * df.HOPPER_SMS // blocks))
+
+
+def test_config_with_another_block():
+    """config_with_block: that block's ring and wave, over the token blocks it makes; an unbuilt
+    block is refused."""
+    qw = random_qweight(512, 1024, bits=2, seed=0)
+    cfg = df.config_with_block(qw, 300, 128)
+    assert (cfg.block_tokens, cfg.stages) == (128, 3)
+    assert cfg.programs == min(8 * 8 // df.MIN_STEPS, -(-df.PROGRAMS_PER_SM[128] * df.HOPPER_SMS // 3))
+    assert df.config_with_block(qw, 300, None) == df.decode_fp8_config(qw, 300)
+    with pytest.raises(ValueError, match="block_tokens must be one of"):
+        df.config_with_block(qw, 300, 32)
 
 
 def test_rule_refuses_no_tokens():
@@ -106,9 +119,9 @@ from triton.backends.compiler import GPUTarget
 from escha.kernels.decode_fp8 import PROGRAMS_PER_SM, gemm_source, rule_variant
 out = {}
 for bn in sorted(PROGRAMS_PER_SM):
-    _, frags, stages = rule_variant(bn)
+    _, stages = rule_variant(bn)
     for bits in (2, 3):
-        k = triton.compile(gemm_source(bits, bn, stages, frags), target=GPUTarget("cuda", 90, 32),
+        k = triton.compile(gemm_source(bits, bn, stages), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4, "launch_pdl": True})
         out[f"{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex(), k.asm["ptx"]]
 json.dump(out, sys.stdout)
@@ -179,19 +192,6 @@ def test_programs_per_sm_is_the_compiled_occupancy(builds, bits, bn):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def fp8_core(qw) -> torch.Tensor:
-    """e4m3(64 T) [Np, Kp] from the reference codec (64 T is exact; e4m3 rounds to nearest even)."""
-    return (decode_trellis(qw).float() * 64).to(torch.float8_e4m3fn)
-
-
-def summed_partials(ws: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """fp64 [M, Np]: each 64-row group's written partials summed (the others are not read)."""
-    out = torch.zeros(ws.shape[1:], dtype=torch.float64, device=ws.device)
-    for g, c in enumerate(counts.tolist()):
-        out[:, 64 * g:64 * g + 64] = ws[:c, :, 64 * g:64 * g + 64].double().sum(0)
-    return out
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("bits", [2, 3])
@@ -199,7 +199,7 @@ def summed_partials(ws: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 def test_fragments_bit_exact(bits, shape):
     qw = random_qweight(*shape, bits=bits, seed=sum(shape) + bits, device="cuda")
     got = df.decoded_fragments(qw)
-    want = df.mma_order(fp8_core(qw))
+    want = df.mma_order(df.reference_core(qw))
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -213,7 +213,7 @@ def test_partials_are_the_e4m3_product(m, bits):
     qw = random_qweight(300, 700, bits=bits, seed=m + bits, device="cuda")
     x = torch.randn(m, 700, device="cuda", dtype=torch.bfloat16)
     xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
-    ref = xq.double() @ df.mma_order(fp8_core(qw)).double().T
+    ref = xq.double() @ df.mma_order(df.reference_core(qw)).double().T
     cfg = df.decode_fp8_config(qw, m, x.device)
     steps = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
     for programs in (cfg.programs, steps, 1):

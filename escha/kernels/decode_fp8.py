@@ -37,13 +37,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..format.codec import decode_trellis
 from ..format.qweight import QuantizedWeight
 from .common import (FP8_DTYPE, check_codebook, check_operands, dependent_launch_supported, device_constant,
                      output_tensor, prepare)
 from .decode_wgmma import (_RELEASE_ASM, _WAIT_ASM, BLOCK_K, FRAGMENT_ROWS, HOPPER_SMS, SUPPORTED_BITS, WORDS_LAYOUT,
-                           WORDS_SMEM_LAYOUT, _fragment_words, _grid_dependency, _iota, _most_segments, _next_step, _packed, _pair_values, _state_values,
-                           _word_row, runs_on, segment_counts)
-from .triton_compat import smem_reinterpret, tma_async_load
+                           WORDS_SMEM_LAYOUT, _fragment_words, _grid_dependency, _iota, _most_segments, _next_step,
+                           _packed, _pair_values, _state_values, _store_partials, _word_row, permute_blocks, runs_on,
+                           segment_counts)
+from .triton_compat import tma_async_load
 from .transforms import hadamard_output, prepare_input
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
@@ -95,11 +97,10 @@ def _decode_fp8_fragment(w, BITS: gl.constexpr, L8: gl.constexpr, A_LAYOUT: gl.c
 
 @gluon.jit
 def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
-                       BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
-                       PDL: gl.constexpr):
+                       BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
-    token block's row tiles x NKB k-blocks (a tile is 64 FRAGS weight rows), each
-    z^T[64 FRAGS rows, BN tokens] += e4m3(64 T_blk) x'_q^T, written as fp32 partials
+    token block's row tiles x NKB k-blocks (a tile is one 64-row fragment: two spilled), each
+    z^T[64 rows, BN tokens] += e4m3(64 T_blk) x'_q^T, written as fp32 partials
     [segments, M, Np] (``decode_wgmma._decode_wgmma_kernel``'s split, ring and output). With PDL
     it fetches its first words while the input transform runs, then waits for x', and releases
     the output transform after its loop."""
@@ -114,9 +115,7 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     WL: gl.constexpr = WORDS_LAYOUT
 
     x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
-    W_SMEM: gl.constexpr = w_desc.layout
-    w_box = smem_reinterpret(w_smem, gl.int32, [STAGES, 8 * FRAGS, 128], W_SMEM)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 8, 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -130,54 +129,38 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     kb_in = kb
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
-        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, 1), 0], bars.index(i), w_smem.index(i), pred=i < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
     if PDL:
         _grid_dependency(_WAIT_ASM)
+    t_x = tile  # the activations' k-blocks follow the words' (the tile is not needed)
     kb_x = kb
     for i in gl.static_range(STAGES):
         tma_async_load(x_desc, [row0, kb_x * 128], bars.index(i), x_smem.index(i), pred=i < n)
-        kb_x += 1
-        kb_x = gl.where(kb_x == NKB, 0, kb_x)
+        t_x, kb_x = _next_step(t_x, kb_x, NKB)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
-    acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     stage = 0
     phase = 0
     for i in range(n):
         carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
         xs = x_smem.index(stage).permute((1, 0))
         mbarrier.wait(bars.index(stage), phase)
-        # Every fragment is decoded before the first wgmma is issued, and nothing runs between
-        # the issues and the wait: the wait cannot take 8-bit operands as dependencies (triton
-        # 3.6: "Unexpected bitwidth in WGMMAWaitGroupOp"), so no register of an A operand may be
-        # live-and-free while its wgmma reads it. An e4m3 fragment is 16 registers.
-        a0 = _decode_fp8_fragment(_fragment_words(w_smem, stage * FRAGS, WL), BITS, L8, A_LAYOUT)
-        if FRAGS == 2:
-            a1 = _decode_fp8_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L8, A_LAYOUT)
-            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
-            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
-            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
-        else:
-            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
-            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
+        # Nothing runs between the wgmma's issue and its wait: the wait cannot take 8-bit operands
+        # as dependencies (triton 3.6: "Unexpected bitwidth in WGMMAWaitGroupOp"), so no register
+        # of the A operand may be live-and-free while the wgmma reads it.
+        a0 = _decode_fp8_fragment(_fragment_words(w_smem, stage, WL), BITS, L8, A_LAYOUT)
+        acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
+        acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0,))
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
-        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, 1), 0], bars.index(stage), w_smem.index(stage),
                        pred=j < n)
         tma_async_load(x_desc, [row0, kb_in * 128], bars.index(stage), x_smem.index(stage), pred=j < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
         if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
-            seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
-            tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-            rows = tile * (64 * FRAGS) + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-            offs = tok[None, :] * Np + rows[:, None]
-            tmask = tok[None, :] < M - row0
-            base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
-            gl.store(base + offs, acc0, mask=tmask)
-            if FRAGS == 2:
-                gl.store(base + offs + 64, acc1, mask=tmask)
+            _store_partials(ws_ptr, acc0, acc0, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, 1, MMA)
         tile, kb = _next_step(tile, kb, NKB)
         stage += 1
         phase ^= (stage == STAGES).to(gl.int32)
@@ -208,7 +191,7 @@ def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr):
 
 def decoded_fragments(qw: QuantizedWeight) -> torch.Tensor:
     """e4m3 [Np, Kp]: e4m3(64 T) as the GEMM's A fragments hold it (fp8 MMA column order in each
-    128-block). Equal bit for bit to ``fp8_core(qw)`` in that order (tests)."""
+    128-block). Equal bit for bit to ``mma_order(reference_core(qw))`` (tests)."""
     np_, kp = qw.padded_shape
     out = torch.empty((np_, kp), dtype=FP8_DTYPE, device=qw.device)
     _fragment_kernel[(np_ // FRAGMENT_ROWS, kp // BLOCK_K)](_packed(qw).words, out, kp // BLOCK_K, BITS=qw.bits,
@@ -216,12 +199,15 @@ def decoded_fragments(qw: QuantizedWeight) -> torch.Tensor:
     return out
 
 
+def reference_core(qw: QuantizedWeight) -> torch.Tensor:
+    """e4m3(64 T) [Np, Kp] from the reference codec (64 T is exact; e4m3 rounds to nearest even),
+    in T's own column order: what ``decoded_fragments`` must equal in the fp8 MMA order."""
+    return (decode_trellis(qw).float() * 64).to(FP8_DTYPE)
+
+
 def mma_order(t: torch.Tensor) -> torch.Tensor:
     """t [..., Kp] with each 128-column block permuted into the fp8 MMA column order."""
-    kp = t.shape[-1]
-    order = fp8_mma_column_order(t.device)
-    idx = (torch.arange(kp // BLOCK_K, device=t.device)[:, None] * BLOCK_K + order[None, :]).reshape(-1)
-    return t[..., idx]
+    return permute_blocks(t, fp8_mma_column_order(t.device))
 
 
 # -- launcher ---------------------------------------------------------------------------------
@@ -233,9 +219,7 @@ class DecodeFp8Config:
     block_tokens: int  # wgmma N: tokens per program (power of two, 8..256)
     programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
     stages: int  # activation and word buffers in the TMA ring
-    fragments: int  # 64-row A fragments per program (1 or 2)
     dependent_launch: bool  # the three kernels as programmatic dependents, the GEMM starting early
-    max_registers: int | None = None  # ptxas's register cap per thread (None: its own choice)
 
 
 #: Programs one SM holds, by token block: the registers and shared memory of the rule's sm_90a
@@ -244,45 +228,52 @@ PROGRAMS_PER_SM = {64: 4, 128: 3, 256: 2}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
 
-def rule_variant(m: int) -> tuple[int, int, int]:
-    """(block_tokens, fragments, stages) for m tokens: one block of up to 256 tokens (every
-    weight decoded once up to 256), one fragment, a ring of 2 at 256 tokens (shared memory for
-    two programs an SM) and 3 below."""
+def rule_variant(m: int) -> tuple[int, int]:
+    """(block_tokens, stages) for m tokens: one block of up to 256 tokens (every weight decoded
+    once up to 256), a ring of 2 at 256 tokens (shared memory for two programs an SM) and 3 below."""
     block_tokens = min(MAX_TOKENS, max(64, triton.next_power_of_2(m)))
-    return block_tokens, 1, 2 if block_tokens == 256 else 3
+    return block_tokens, 2 if block_tokens == 256 else 3
 
 
 def decode_fp8_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeFp8Config:
     """The rule: ``rule_variant``'s block, one wave of programs (PROGRAMS_PER_SM a streaming
     multiprocessor) shared among the token blocks, each at least MIN_STEPS k-blocks."""
+    return config_with_block(qw, m, None, device)
+
+
+def config_with_block(qw: QuantizedWeight, m: int, block_tokens: int | None,
+                      device: torch.device | None = None) -> DecodeFp8Config:
+    """The rule's configuration with token blocks of ``block_tokens`` (64, 128 or 256; None: the
+    rule's own), with that block's ring and wave: what the benchmark's other arms time."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
-    return _config(*qw.padded_shape, m, device)
+    if block_tokens is not None and block_tokens not in PROGRAMS_PER_SM:
+        raise ValueError(f"block_tokens must be one of {sorted(PROGRAMS_PER_SM)}, got {block_tokens}")
+    return _config(*qw.padded_shape, m, block_tokens, device)
 
 
 @functools.lru_cache(maxsize=4096)
-def _config(np_: int, kp: int, m: int, device: torch.device | None) -> DecodeFp8Config:
-    block_tokens, fragments, stages = rule_variant(m)
+def _config(np_: int, kp: int, m: int, block_tokens: int | None, device: torch.device | None) -> DecodeFp8Config:
+    block_tokens, stages = rule_variant(m if block_tokens is None else block_tokens)
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
-    steps = np_ // (FRAGMENT_ROWS * fragments) * (kp // BLOCK_K)
+    steps = np_ // FRAGMENT_ROWS * (kp // BLOCK_K)
     slots = PROGRAMS_PER_SM.get(block_tokens, 1) * sms
     programs = max(1, min(steps // MIN_STEPS, triton.cdiv(slots, triton.cdiv(m, block_tokens))))
-    return DecodeFp8Config(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments,
+    return DecodeFp8Config(block_tokens=block_tokens, programs=programs, stages=stages,
                            dependent_launch=device is None or dependent_launch_supported(device))
 
 
-def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True):
+def gemm_source(bits: int, block_tokens: int, stages: int, pdl: bool = True):
     """The GEMM kernel specialized as a launch specializes it, for ``triton.compile`` off the GPU
     (the tests' sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
-           "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "w_desc": f"tensordesc<i32[8, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr", "PDL": "constexpr"}
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_fp8_kernel, sig,
-                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
-                                      "PDL": pdl},
+                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "PDL": pdl},
                           attrs={(2,): [["tt.divisibility", 16]]})
 
 
@@ -331,17 +322,17 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
     if xq.dtype != FP8_DTYPE or xq.shape[1] != kp:
         raise ValueError(f"x' must be {FP8_DTYPE} [M, {kp}], got {xq.dtype} {list(xq.shape)}")
     nkb = kp // BLOCK_K
-    tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
+    tiles = np_ // FRAGMENT_ROWS
     programs = min(cfg.programs, tiles * nkb)
     # Built once per grid (device ops inside a graph would be kernels of every replay).
-    counts = device_constant(("segments", programs, tiles, nkb, cfg.fragments), xq.device,
-                             lambda: segment_counts(programs, tiles, nkb, cfg.fragments, xq.device))
+    counts = device_constant(("segments", programs, tiles, nkb, 1), xq.device,
+                             lambda: segment_counts(programs, tiles, nkb, 1, xq.device))
     ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb,
-            programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
-            PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
+    prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).descs[1], ws, m, np_, nkb, tiles * nkb,
+            programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages,
+            PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch)
     return ws, counts
 
 # -- Why the configuration is what it is ---------------------------------------------------------

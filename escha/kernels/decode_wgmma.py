@@ -380,6 +380,24 @@ def _decode_halves(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constex
 
 
 @gluon.jit
+def _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.constexpr,
+                    FRAGS: gl.constexpr, MMA: gl.constexpr):
+    """Program p's part of row tile ``tile`` (accumulators [64, BN] a fragment, layout MMA) as its
+    segment of the fp32 partials [segments, M, Np]: segment p - first_program(tile)."""
+    # first_program(tile): the largest q with q STEPS / PROGRAMS <= tile * NKB
+    seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
+    # int32 offsets inside the [BN, Np] slab (BN * Np < 2**31), an int64 scalar base
+    tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    rows = tile * (64 * FRAGS) + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    offs = tok[None, :] * Np + rows[:, None]
+    tmask = tok[None, :] < M - row0
+    base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
+    gl.store(base + offs, acc0, mask=tmask)
+    if FRAGS == 2:
+        gl.store(base + offs + 64, acc1, mask=tmask)
+
+
+@gluon.jit
 def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
                          HALVES: gl.constexpr, PDL: gl.constexpr):
@@ -488,17 +506,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        pred=j < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
         if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
-            # first_program(tile): the largest q with q STEPS / PROGRAMS <= tile * NKB
-            seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
-            # int32 offsets inside the [BN, Np] slab (BN * Np < 2**31), an int64 scalar base
-            tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-            rows = tile * (64 * FRAGS) + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-            offs = tok[None, :] * Np + rows[:, None]
-            tmask = tok[None, :] < M - row0
-            base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
-            gl.store(base + offs, acc0, mask=tmask)
-            if FRAGS == 2:
-                gl.store(base + offs + 64, acc1, mask=tmask)
+            _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, FRAGS, MMA)
         tile, kb = _next_step(tile, kb, NKB)
         stage += 1
         phase ^= (stage == STAGES).to(gl.int32)
@@ -539,12 +547,16 @@ def decoded_fragments(qw: QuantizedWeight, words: torch.Tensor | None = None) ->
     return out
 
 
+def permute_blocks(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t [..., Kp] with column ``order[kk]`` of each 128-column block moved to its column kk."""
+    kp = t.shape[-1]
+    idx = (torch.arange(kp // BLOCK_K, device=t.device)[:, None] * BLOCK_K + order.to(t.device)[None, :]).reshape(-1)
+    return t[..., idx]
+
+
 def mma_order_core(t: torch.Tensor) -> torch.Tensor:
     """The core T [Np, Kp] with each 128-column block permuted into MMA column order."""
-    kp = t.shape[1]
-    order = mma_column_order(t.device)
-    idx = (torch.arange(kp // BLOCK_K, device=t.device)[:, None] * BLOCK_K + order[None, :]).reshape(-1)
-    return t[:, idx]
+    return permute_blocks(t, mma_column_order(t.device))
 
 
 # -- launcher ---------------------------------------------------------------------------------
@@ -667,6 +679,15 @@ def segment_counts(programs: int, tiles: int, kblocks: int, fragments: int,
 
     counts = program((r + 1) * kblocks - 1) - program(r * kblocks) + 1
     return counts.repeat_interleave(fragments).to(torch.int32)
+
+
+def summed_partials(ws: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """fp64 [M, Np]: each 64-row group's written partials of ``ws`` [segments, M, Np] summed (the
+    others are not read): the GEMM's product without the output transform (tests, benchmarks)."""
+    out = torch.zeros(ws.shape[1:], dtype=torch.float64, device=ws.device)
+    for g, c in enumerate(counts.tolist()):
+        out[:, 64 * g:64 * g + 64] = ws[:c, :, 64 * g:64 * g + 64].double().sum(0)
+    return out
 
 
 @functools.lru_cache(maxsize=1024)

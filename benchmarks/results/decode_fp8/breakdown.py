@@ -6,14 +6,13 @@ Usage (repository root, on the GPU): python benchmarks/results/decode_fp8/breakd
 import importlib
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from bench_decode import env_info, weight_set  # noqa: E402
-from bench_decode_wgmma import SHAPES  # noqa: E402
+from bench_decode_wgmma import SHAPES, time_arms  # noqa: E402
 from escha.bench.cuda_timing import GraphTimer  # noqa: E402
 from escha.kernels.transforms import hadamard_input, hadamard_output, prepare_input  # noqa: E402
 
@@ -47,15 +46,9 @@ for name in ("gate_up", "down"):
             "fp16_call": lambda i: dw.decode_wgmma(x, ws[i]),
             "fp16_gemm": lambda i: dw.gemm_partials(xq16, ws[i], plain16),
         }
-        samplers = {a: timer.build(fn, len(ws), a) for a, fn in arms.items()}
-        times = {a: [] for a in samplers}
-        for _ in range(3):
-            for a, s in samplers.items():
-                times[a].append(s.sample())
-        med = {a: statistics.median(v) for a, v in times.items()}
+        med = time_arms(timer, {a: (fn, len(ws)) for a, fn in arms.items()}, 3)
         line = f"{name} M={m} segments={z.shape[0]} " + " ".join(f"{a} {v:.1f}" for a, v in med.items())
         print(line, flush=True)
         res["points"].append({"shape": name, "M": m, "config": cfg.__dict__, "us": med, "segments": z.shape[0]})
-        del samplers
 with open(os.path.join(out, "breakdown.json"), "w") as f:
     json.dump(res, f, indent=1)
