@@ -27,15 +27,25 @@ import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import dequantize, random_qweight
-from escha.kernels.transforms import prepare_input
-from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
-                                      mma_order, reference_core)
+from escha.kernels.decode_fp8 import (
+    StagedConfig,
+    config_with_block,
+    decode_fp8,
+    decode_fp8_config,
+    decoded_fragments,
+    gemm_partials,
+    mma_order,
+    reference_core,
+    staged_call,
+    staged_partials,
+)
 from escha.kernels.decode_wgmma import decode_wgmma, packed_words, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
+from escha.kernels.transforms import prepare_input
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import env_info, weight_set  # noqa: E402
-from bench_decode_wgmma import SHAPES, rel_err, time_arms  # noqa: E402
+from bench_decode import env_info, weight_set
+from bench_decode_wgmma import SHAPES, rel_err, time_arms
 
 FP8_TOL = 0.077  # tests/test_decode_fp8.py
 PARTIALS_TOL = 2.0**-9
@@ -64,6 +74,41 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     return e_call, float((got - ref).norm() / ref.norm())
 
 
+def staged_variants(m: int) -> dict[str, StagedConfig]:
+    """The staged kernel's builds for m tokens (block, ring, warps; programs an SM from the sm_90a
+    build's registers and shared memory, offline, K = 2 and 3 alike)."""
+    v = {}
+    if m <= 64:
+        v["st64w4"] = StagedConfig(64, 3, 4, 4)
+        v["st64w8"] = StagedConfig(64, 3, 8, 2)
+    if 64 < m <= 128:
+        v["st128w4"] = StagedConfig(128, 2, 4, 3)
+        v["st128w4c128"] = StagedConfig(128, 2, 4, 3, 128)
+        v["st64w4"] = StagedConfig(64, 3, 4, 4)
+    if m > 64:
+        v["st128w8c128"] = StagedConfig(128, 3, 8, 2, 128)
+    if m > 128:
+        v["st128w4"] = StagedConfig(128, 2, 4, 3)
+        v["st256w4"] = StagedConfig(256, 2, 4, 2)
+        v["st256w8"] = StagedConfig(256, 3, 8, 1)
+    return v
+
+
+def gate_staged(qw, w_ref: torch.Tensor, m: int, cfg: StagedConfig, ref_cfg) -> tuple[float, float, float]:
+    """(whole call against fp64, partials against the exact e4m3 product, largest difference of
+    the summed partials from the register-operand kernel's), fresh inputs, poisoned partials."""
+    x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
+    y = staged_call(x, qw, cfg)
+    e_call = rel_err(y, x.double() @ w_ref.T) if torch.isfinite(y).all() else float("nan")
+    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
+    ws, counts = staged_partials(xq, qw, cfg)
+    got = summed_partials(ws, counts)
+    ref = xq.double() @ mma_order(reference_core(qw)).double().T
+    ws_a, counts_a = gemm_partials(xq, qw, ref_cfg)
+    diff = float((got - summed_partials(ws_a, counts_a)).abs().max())
+    return e_call, float((got - ref).norm() / ref.norm()), diff
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -71,6 +116,9 @@ def main() -> int:
     ap.add_argument("--ms", default="64,128,192,256,384,512")
     ap.add_argument("--shapes", default="gate_up,down,down_8b")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3))
+    ap.add_argument("--staged", action="store_true",
+                    help="add the staged kernel's builds (decoded weights through shared memory)")
+    ap.add_argument("--only-gemm", action="store_true", help="with --staged: no rule or dequantize arms")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -124,6 +172,19 @@ def main() -> int:
                         log(f"GATE FAIL {name} M={m} {label}: call {e_call:.3e}, partials {e_part:.3e}")
                         continue
                     arms[label] = (lambda i, c=c: decode_fp8(xs[i % 2], ws[i], config=c), len(ws))
+                if args.staged:
+                    if args.only_gemm:
+                        for k in ("escha", "wgmma", "core_fp8"):
+                            arms.pop(k)
+                    for label, c in staged_variants(m).items():
+                        e_call, e_part, diff = gate_staged(ws[0], w_ref, m, c, cfg)
+                        point[f"err_{label}"], point[f"err_partials_{label}"] = e_call, e_part
+                        point[f"diff_{label}"] = diff
+                        log(f"  gate {label}: call {e_call:.3e} partials {e_part:.3e} |staged - register A| {diff:.3e}")
+                        if not (e_call <= FP8_TOL and e_part <= PARTIALS_TOL):
+                            log(f"GATE FAIL {name} M={m} {label}")
+                            continue
+                        arms[label] = (lambda i, c=c: staged_call(xs[i % 2], ws[i], c), len(ws))
                 med = time_arms(timer, arms, args.rounds)
                 point["us"] = med
                 point["config"] = dataclasses.asdict(cfg)

@@ -46,6 +46,9 @@
 # PHASE "host":    GPU tests, then the host time of one eager escha.matmul call beside its GPU time
 #                  (benchmarks/bench_host.py, with cProfile's top functions); run "profile" after it
 #                  for the whole model eager.
+# PHASE "staged":  the fp8 decode GEMM with its decoded weights through shared memory (decode_fp8's
+#                  staged builds) beside the register-operand one and cuBLAS (bench_decode_fp8.py
+#                  --staged; STAGED_MS, STAGED_SHAPES, STAGED_BITS), then the GPU tests.
 # PHASE "investigate": what the even-split numbers left open (docs/KERNELS.md, "Next, from these
 #                  numbers"): ncu of the GEMM loop at gate_up M=8 and M=64 (issue slots, and the
 #                  stall reasons per issued instruction, which the text report leaves out),
@@ -214,6 +217,11 @@ case "$phase" in
     step bench_fp8_k3 90 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8_k3" --rounds 3 --bits 3 \
       --ms 128,256 --shapes gate_up,down
     step breakdown_fp8 90 python benchmarks/results/decode_fp8/breakdown.py "$out/breakdown_fp8"
+    ;;
+  staged)
+    step bench_staged 300 python benchmarks/bench_decode_fp8.py --out "$out/bench_staged" --rounds 3 --staged \
+      --ms "${STAGED_MS:-64,128,256,512}" --shapes "${STAGED_SHAPES:-gate_up,down,down_8b}" --bits "${STAGED_BITS:-2}"
+    step gpu_suite 280 python -m pytest -q -m gpu -p no:cacheprovider
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \

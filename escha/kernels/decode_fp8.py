@@ -33,20 +33,50 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..format.codec import decode_trellis
 from ..format.qweight import QuantizedWeight
-from .common import (FP8_DTYPE, check_codebook, check_operands, dependent_launch_supported, device_constant,
-                     output_tensor, prepare)
-from .decode_wgmma import (_RELEASE_ASM, _WAIT_ASM, BLOCK_K, FRAGMENT_ROWS, HOPPER_SMS, SUPPORTED_BITS, WORDS_LAYOUT,
-                           WORDS_SMEM_LAYOUT, _fragment_words, _grid_dependency, _iota, _most_segments, _next_step,
-                           _packed, _pair_values, _state_values, _store_partials, _word_row, permute_blocks, runs_on,
-                           segment_counts)
-from .triton_compat import tma_async_load
+from .common import (
+    FP8_DTYPE,
+    check_codebook,
+    check_operands,
+    dependent_launch_supported,
+    device_constant,
+    output_tensor,
+    prepare,
+)
+from .decode_wgmma import (
+    _RELEASE_ASM,
+    _WAIT_ASM,
+    BLOCK_K,
+    FRAGMENT_ROWS,
+    HOPPER_SMS,
+    SUPPORTED_BITS,
+    WORDS_LAYOUT,
+    WORDS_SMEM_LAYOUT,
+    _fragment_words,
+    _grid_dependency,
+    _iota,
+    _most_segments,
+    _next_step,
+    _packed,
+    _pair_values,
+    _state_values,
+    _store_partials,
+    _word_row,
+    permute_blocks,
+    runs_on,
+    segment_counts,
+)
 from .transforms import hadamard_output, prepare_input
+from .triton_compat import tma_async_load
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
 
@@ -78,6 +108,13 @@ FP8_FRAGMENT_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 4,
 @gluon.jit
 def _decode_fp8_fragment(w, BITS: gl.constexpr, L8: gl.constexpr, A_LAYOUT: gl.constexpr):
     """The [64, 128] e4m3 A operand e4m3(64 T) (fp8 MMA column order) from a fragment's words."""
+    return gl.convert_layout(_decoded_fp8(w, BITS, L8, 64), A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
+    """e4m3(64 T) [ROWS, 128] (fp8 MMA column order) from the words of ROWS / 16 warps, in the
+    registers the decode leaves it (L8 permuted)."""
     W7: gl.constexpr = gl.SliceLayout(7, L8)
     W5: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W7))
     hi, lo = gl.split(w)  # [warp, row half, g, u, t]
@@ -91,8 +128,7 @@ def _decode_fp8_fragment(w, BITS: gl.constexpr, L8: gl.constexpr, A_LAYOUT: gl.c
         va, vb = _state_values(((v >> (48 - BITS * c)) & 0xFFFF).to(gl.uint32),
                                ((v >> (48 - BITS * (c + 8))) & 0xFFFF).to(gl.uint32))
     a = (gl.join(va, vb) * 64.0).to(gl.float8e4nv)  # 64 T: exact in fp16; e4m3 rounds to nearest even
-    a = gl.reshape(gl.permute(a, [0, 1, 2, 3, 4, 6, 5, 7]), [64, 128])
-    return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
+    return gl.reshape(gl.permute(a, [0, 1, 2, 3, 4, 6, 5, 7]), [ROWS, 128])
 
 
 @gluon.jit
@@ -162,6 +198,108 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
             _store_partials(ws_ptr, acc0, acc0, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, 1, MMA)
         tile, kb = _next_step(tile, kb, NKB)
+        stage += 1
+        phase ^= (stage == STAGES).to(gl.int32)
+        stage = gl.where(stage == STAGES, 0, stage)
+    if PDL:
+        _grid_dependency(_RELEASE_ASM)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.constexpr, ROWS: gl.constexpr,
+                MMA: gl.constexpr):
+    """Program p's part of row tile ``tile`` (ROWS rows, accumulator [ROWS, BN] in layout MMA) as
+    its segment of the fp32 partials [segments, M, Np] (``decode_wgmma._store_partials``)."""
+    seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
+    # Np through an opaque move: offsets computed here, not hoisted out of the loop into registers
+    # held across it (one a stored element).
+    Np, M = gl.inline_asm_elementwise("mov.b32 $0, $2; mov.b32 $1, $3;", "=r,=r,r,r", [Np, M],
+                                      dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
+    tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+    base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
+    gl.store(base + tok[None, :] * Np + rows[:, None], acc, mask=tok[None, :] < M - row0)
+
+
+@gluon.jit
+def _decode_fp8_staged_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
+                              BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
+                              A_SMEM: gl.constexpr, PDL: gl.constexpr):
+    """As ``_decode_fp8_kernel`` with row tiles of 16 NW rows (NW warps, NW / 4 warpgroups) whose
+    decoded e4m3 weights go to shared memory (two buffers) and the wgmma reads both operands from
+    there, asynchronously: step i's decode runs while step i - 1's MMAs do."""
+    p = gl.program_id(0)
+    tb = gl.program_id(1)
+    s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)
+    n = (((p + 1).to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32) - s0
+    ROWS: gl.constexpr = 16 * NW
+    FRAGS: gl.constexpr = NW // 4
+    # A step's stage is refilled LAG steps later: once every warpgroup's wait has retired its MMAs
+    # (one warpgroup: at the next step; two: after the next step's barrier).
+    LAG: gl.constexpr = FRAGS
+
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
+    L8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 4, 2, 2, 1, 2],
+                                        threads_per_warp=[1, 1, 8, 1, 1, 1, 4, 1],
+                                        warps_per_cta=[NW, 1, 1, 1, 1, 1, 1, 1], order=[7, 5, 1, 4, 3, 6, 2, 0])
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+                                        warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
+
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], x_desc.layout)
+    w_box = gl.allocate_shared_memory(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, ROWS, 128], A_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+
+    row0 = tb * BN
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    tile = s0 // NKB
+    kb = s0 - tile * NKB
+    t_in = tile
+    kb_in = kb
+    for i in gl.static_range(STAGES):
+        mbarrier.expect(bars.index(i), nbytes, pred=i < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
+        t_in, kb_in = _next_step(t_in, kb_in, NKB)
+    if PDL:
+        _grid_dependency(_WAIT_ASM)
+    t_x = tile
+    kb_x = kb
+    for i in gl.static_range(STAGES):
+        tma_async_load(x_desc, [row0, kb_x * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        t_x, kb_x = _next_step(t_x, kb_x, NKB)
+
+    acc = gl.zeros([ROWS, BN], dtype=gl.float32, layout=MMA)
+    stage = 0
+    phase = 0
+    ab = 0
+    for i in range(n):
+        carry = (kb != 0) & (i != 0)
+        mbarrier.wait(bars.index(stage), phase)
+        w = w_box.index(stage).reshape([NW, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+        a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))
+        fence_async_shared()
+        acc = warpgroup_mma(a_smem.index(ab), x_smem.index(stage).permute((1, 0)), acc, use_acc=carry,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if i >= LAG:  # refill the stage of step i - LAG with step i - LAG + STAGES
+            rs = stage - LAG
+            rs = gl.where(rs < 0, rs + STAGES, rs)
+            j = i - LAG + STAGES
+            mbarrier.expect(bars.index(rs), nbytes, pred=j < n)
+            tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(rs), w_box.index(rs),
+                           pred=j < n)
+            tma_async_load(x_desc, [row0, kb_in * 128], bars.index(rs), x_smem.index(rs), pred=j < n)
+            t_in, kb_in = _next_step(t_in, kb_in, NKB)
+        if (kb == NKB - 1) | (i == n - 1):
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)
+        tile, kb = _next_step(tile, kb, NKB)
+        ab ^= 1
         stage += 1
         phase ^= (stage == STAGES).to(gl.int32)
         stage = gl.where(stage == STAGES, 0, stage)
@@ -277,6 +415,27 @@ def gemm_source(bits: int, block_tokens: int, stages: int, pdl: bool = True):
                           attrs={(2,): [["tt.divisibility", 16]]})
 
 
+@functools.cache
+def a_smem_layout(rows: int) -> gl.NVMMASharedLayout:
+    """Shared layout of a decoded weight tile [rows, 128] e4m3 (wgmma's A operand from shared memory)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.float8e4nv)
+
+
+def staged_source(bits: int, block_tokens: int, stages: int, warps: int, pdl: bool = True):
+    """The staged GEMM specialized as a launch specializes it, for ``triton.compile`` off the GPU."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    frags = warps // 4
+    sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
+           "w_desc": f"tensordesc<i32[{8 * frags}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "NW": "constexpr",
+           "A_SMEM": "constexpr", "PDL": "constexpr"}
+    return GluonASTSource(_decode_fp8_staged_kernel, sig,
+                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "NW": warps,
+                                      "A_SMEM": a_smem_layout(16 * warps), "PDL": pdl},
+                          attrs={(2,): [["tt.divisibility", 16]]})
+
+
 def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU on the fp8 tensor cores, in x's dtype.
@@ -334,6 +493,54 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
             programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages,
             PDL=cfg.dependent_launch, num_warps=4, launch_pdl=cfg.dependent_launch)
     return ws, counts
+
+@dataclass(frozen=True)
+class StagedConfig:
+    """Launch parameters of the staged fp8 GEMM (``_decode_fp8_staged_kernel``)."""
+
+    block_tokens: int  # wgmma N
+    stages: int  # TMA ring; more than warps // 4 (a stage is refilled warps // 4 steps after its use)
+    warps: int  # 4 or 8: row tiles of 64 or 128 rows
+    per_sm: int  # programs an SM holds (the build's registers and shared memory)
+    max_registers: int | None = None
+    dependent_launch: bool = True
+
+
+def staged_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: StagedConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gemm_partials`` through the staged kernel: one wave of programs at ``cfg.per_sm``."""
+    m = xq.shape[0]
+    np_, kp = qw.padded_shape
+    if xq.dtype != FP8_DTYPE or xq.shape[1] != kp:
+        raise ValueError(f"x' must be {FP8_DTYPE} [M, {kp}], got {xq.dtype} {list(xq.shape)}")
+    if cfg.warps not in (4, 8) or cfg.stages <= cfg.warps // 4:
+        raise ValueError(f"need 4 or 8 warps and more than warps // 4 stages, got {cfg}")
+    frags = cfg.warps // 4
+    nkb = kp // BLOCK_K
+    tiles = np_ // (FRAGMENT_ROWS * frags)
+    sms = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else HOPPER_SMS
+    blocks = triton.cdiv(m, cfg.block_tokens)
+    programs = max(1, min(tiles * nkb // MIN_STEPS, triton.cdiv(cfg.per_sm * sms, blocks)))
+    counts = device_constant(("segments", programs, tiles, nkb, frags), xq.device,
+                             lambda: segment_counts(programs, tiles, nkb, frags, xq.device))
+    ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
+    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
+    prepare(_decode_fp8_staged_kernel, (programs, blocks), x_desc, _packed(qw).descs[frags], ws, m, np_, nkb,
+            tiles * nkb, programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, NW=cfg.warps,
+            A_SMEM=a_smem_layout(16 * cfg.warps), PDL=cfg.dependent_launch, num_warps=cfg.warps,
+            launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
+    return ws, counts
+
+
+def staged_call(x: torch.Tensor, qw: QuantizedWeight, cfg: StagedConfig) -> torch.Tensor:
+    """The whole product through the staged GEMM (input transform, GEMM, output transform)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    pdl = cfg.dependent_launch
+    xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, keep=False, fp8=True)
+    ws, counts = staged_partials(xq, qw, cfg)
+    y = output_tensor(x, x2d.shape[0], qw.out_features, None)
+    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, segments=counts)
+    return y.reshape(*x.shape[:-1], qw.out_features)
+
 
 # -- Why the configuration is what it is ---------------------------------------------------------
 # Measured on one H200 (torch 2.11+cu130, triton 3.6.0), CUDA graphs, weights rotated past L2,
