@@ -75,22 +75,22 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
 
 
 def staged_variants(m: int) -> dict[str, StagedConfig]:
-    """The staged kernel's builds for m tokens (block, ring, warps; programs an SM from the sm_90a
-    build's registers and shared memory, offline, K = 2 and 3 alike)."""
+    """The staged kernel's builds for m tokens: StagedConfig(block, ring, warps along rows, along
+    tokens, programs an SM, register cap), the programs an SM from the sm_90a build's registers
+    and shared memory (offline, triton 3.6, K = 2 and 3 alike, no spills)."""
     v = {}
     if m <= 64:
-        v["st64w4"] = StagedConfig(64, 3, 4, 4)
-        v["st64w8"] = StagedConfig(64, 3, 8, 2)
-    if 64 < m <= 128:
-        v["st128w4"] = StagedConfig(128, 2, 4, 3)
-        v["st128w4c128"] = StagedConfig(128, 2, 4, 3, 128)
-        v["st64w4"] = StagedConfig(64, 3, 4, 4)
+        v["st64"] = StagedConfig(64, 3, 4, 1, 4)
+        v["st64n2"] = StagedConfig(64, 2, 4, 2, 4)
     if m > 64:
-        v["st128w8c128"] = StagedConfig(128, 3, 8, 2, 128)
+        v["st128m8n2c64"] = StagedConfig(128, 2, 8, 2, 2, 64)
+        v["st128n2c80"] = StagedConfig(128, 2, 4, 2, 3, 80)
+    if 64 < m <= 128:
+        v["st128"] = StagedConfig(128, 2, 4, 1, 3)
     if m > 128:
-        v["st128w4"] = StagedConfig(128, 2, 4, 3)
-        v["st256w4"] = StagedConfig(256, 2, 4, 2)
-        v["st256w8"] = StagedConfig(256, 3, 8, 1)
+        v["st256"] = StagedConfig(256, 2, 4, 1, 2)
+        v["st256n2c128"] = StagedConfig(256, 2, 4, 2, 2, 128)
+        v["st256m8n2"] = StagedConfig(256, 2, 8, 2, 1)
     return v
 
 

@@ -225,26 +225,28 @@ def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.
 
 @gluon.jit
 def _decode_fp8_staged_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
-                              BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
-                              A_SMEM: gl.constexpr, PDL: gl.constexpr):
-    """As ``_decode_fp8_kernel`` with row tiles of 16 NW rows (NW warps, NW / 4 warpgroups) whose
-    decoded e4m3 weights go to shared memory (two buffers) and the wgmma reads both operands from
-    there, asynchronously: step i's decode runs while step i - 1's MMAs do."""
+                              BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WM: gl.constexpr,
+                              WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
+    """As ``_decode_fp8_kernel`` with row tiles of 16 WM rows and WM x WN warps, whose decoded
+    e4m3 weights go to shared memory (two buffers); the wgmma reads both operands from there,
+    asynchronously, so step i's decode runs while step i - 1's MMAs do. Warps split the tile's
+    rows (WM) and its tokens (WN: each warpgroup's MMA takes BN / WN of them); every warp decodes
+    16 WM / (WM WN) rows of the tile."""
     p = gl.program_id(0)
     tb = gl.program_id(1)
     s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)
     n = (((p + 1).to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32) - s0
-    ROWS: gl.constexpr = 16 * NW
-    FRAGS: gl.constexpr = NW // 4
-    # A step's stage is refilled LAG steps later: once every warpgroup's wait has retired its MMAs
-    # (one warpgroup: at the next step; two: after the next step's barrier).
-    LAG: gl.constexpr = FRAGS
+    NW: gl.constexpr = WM * WN
+    ROWS: gl.constexpr = 16 * WM
+    FRAGS: gl.constexpr = WM // 4
+    R2: gl.constexpr = 2 // WN  # 8-row groups a warp decodes
 
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
-    L8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 4, 2, 2, 1, 2],
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WN],
+                                                  instr_shape=[16, BN // WN, 32])
+    L8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, R2, 1, 4, 2, 2, 1, 2],
                                         threads_per_warp=[1, 1, 8, 1, 1, 1, 4, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1, 1], order=[7, 5, 1, 4, 3, 6, 2, 0])
-    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, R2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
 
     x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], x_desc.layout)
@@ -280,16 +282,18 @@ def _decode_fp8_staged_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAM
     for i in range(n):
         carry = (kb != 0) & (i != 0)
         mbarrier.wait(bars.index(stage), phase)
-        w = w_box.index(stage).reshape([NW, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+        w = w_box.index(stage).reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
         a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))
         fence_async_shared()
         acc = warpgroup_mma(a_smem.index(ab), x_smem.index(stage).permute((1, 0)), acc, use_acc=carry,
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if i >= LAG:  # refill the stage of step i - LAG with step i - LAG + STAGES
-            rs = stage - LAG
-            rs = gl.where(rs < 0, rs + STAGES, rs)
-            j = i - LAG + STAGES
+        # Every warpgroup has retired step i - 1's MMAs past this barrier: its activation stage and
+        # its weight buffer (the one step i + 1 decodes into) are free.
+        gl.thread_barrier()
+        if i >= 1:  # refill the stage of step i - 1 with step i - 1 + STAGES
+            rs = gl.where(stage == 0, STAGES - 1, stage - 1)
+            j = i - 1 + STAGES
             mbarrier.expect(bars.index(rs), nbytes, pred=j < n)
             tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(rs), w_box.index(rs),
                            pred=j < n)
@@ -421,18 +425,18 @@ def a_smem_layout(rows: int) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.float8e4nv)
 
 
-def staged_source(bits: int, block_tokens: int, stages: int, warps: int, pdl: bool = True):
+def staged_source(bits: int, block_tokens: int, stages: int, wm: int, wn: int, pdl: bool = True):
     """The staged GEMM specialized as a launch specializes it, for ``triton.compile`` off the GPU."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    frags = warps // 4
+    frags = wm // 4
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
            "w_desc": f"tensordesc<i32[{8 * frags}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "NW": "constexpr",
-           "A_SMEM": "constexpr", "PDL": "constexpr"}
+           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "WM": "constexpr",
+           "WN": "constexpr", "A_SMEM": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_fp8_staged_kernel, sig,
-                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "NW": warps,
-                                      "A_SMEM": a_smem_layout(16 * warps), "PDL": pdl},
+                          constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "WM": wm, "WN": wn,
+                                      "A_SMEM": a_smem_layout(16 * wm), "PDL": pdl},
                           attrs={(2,): [["tt.divisibility", 16]]})
 
 
@@ -498,9 +502,10 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
 class StagedConfig:
     """Launch parameters of the staged fp8 GEMM (``_decode_fp8_staged_kernel``)."""
 
-    block_tokens: int  # wgmma N
-    stages: int  # TMA ring; more than warps // 4 (a stage is refilled warps // 4 steps after its use)
-    warps: int  # 4 or 8: row tiles of 64 or 128 rows
+    block_tokens: int  # wgmma N (all warpgroups together)
+    stages: int  # TMA ring, at least 2 (a stage is refilled one step after its use)
+    wm: int  # warps along the rows: 4 or 8 (row tiles of 64 or 128 rows)
+    wn: int  # warps along the tokens: 1 or 2
     per_sm: int  # programs an SM holds (the build's registers and shared memory)
     max_registers: int | None = None
     dependent_launch: bool = True
@@ -512,9 +517,9 @@ def staged_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: StagedConfig) ->
     np_, kp = qw.padded_shape
     if xq.dtype != FP8_DTYPE or xq.shape[1] != kp:
         raise ValueError(f"x' must be {FP8_DTYPE} [M, {kp}], got {xq.dtype} {list(xq.shape)}")
-    if cfg.warps not in (4, 8) or cfg.stages <= cfg.warps // 4:
-        raise ValueError(f"need 4 or 8 warps and more than warps // 4 stages, got {cfg}")
-    frags = cfg.warps // 4
+    if cfg.wm not in (4, 8) or cfg.wn not in (1, 2) or cfg.stages < 2:
+        raise ValueError(f"need wm 4 or 8, wn 1 or 2 and 2 stages or more, got {cfg}")
+    frags = cfg.wm // 4
     nkb = kp // BLOCK_K
     tiles = np_ // (FRAGMENT_ROWS * frags)
     sms = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else HOPPER_SMS
@@ -525,8 +530,8 @@ def staged_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: StagedConfig) ->
     ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     prepare(_decode_fp8_staged_kernel, (programs, blocks), x_desc, _packed(qw).descs[frags], ws, m, np_, nkb,
-            tiles * nkb, programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, NW=cfg.warps,
-            A_SMEM=a_smem_layout(16 * cfg.warps), PDL=cfg.dependent_launch, num_warps=cfg.warps,
+            tiles * nkb, programs, slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, WM=cfg.wm,
+            WN=cfg.wn, A_SMEM=a_smem_layout(16 * cfg.wm), PDL=cfg.dependent_launch, num_warps=cfg.wm * cfg.wn,
             launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts
 
