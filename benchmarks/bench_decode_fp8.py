@@ -82,15 +82,16 @@ def staged_variants(m: int) -> dict[str, StagedConfig]:
     if m <= 64:
         v["st64"] = StagedConfig(64, 3, 4, 1, 4)
         v["st64n2"] = StagedConfig(64, 2, 4, 2, 4)
-    if m > 64:
-        v["st128m8n2c64"] = StagedConfig(128, 2, 8, 2, 2, 64)
-        v["st128n2c80"] = StagedConfig(128, 2, 4, 2, 3, 80)
     if 64 < m <= 128:
         v["st128"] = StagedConfig(128, 2, 4, 1, 3)
+        v["st128n2c80"] = StagedConfig(128, 2, 4, 2, 3, 80)
+    if m > 64:
+        v["st128m8n2c64"] = StagedConfig(128, 3, 8, 2, 2, 64)
     if m > 128:
         v["st256"] = StagedConfig(256, 2, 4, 1, 2)
         v["st256n2c128"] = StagedConfig(256, 2, 4, 2, 2, 128)
         v["st256m8n2"] = StagedConfig(256, 2, 8, 2, 1)
+        v["st256m8n2s3"] = StagedConfig(256, 3, 8, 2, 1)
     return v
 
 

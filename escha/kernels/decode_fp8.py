@@ -279,34 +279,37 @@ def _decode_fp8_staged_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAM
     stage = 0
     phase = 0
     ab = 0
-    for i in range(n):
-        carry = (kb != 0) & (i != 0)
-        mbarrier.wait(bars.index(stage), phase)
-        w = w_box.index(stage).reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
-        a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))
-        fence_async_shared()
-        acc = warpgroup_mma(a_smem.index(ab), x_smem.index(stage).permute((1, 0)), acc, use_acc=carry,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        # Every warpgroup has retired step i - 1's MMAs past this barrier: its activation stage and
-        # its weight buffer (the one step i + 1 decodes into) are free.
-        gl.thread_barrier()
-        if i >= 1:  # refill the stage of step i - 1 with step i - 1 + STAGES
-            rs = gl.where(stage == 0, STAGES - 1, stage - 1)
-            j = i - 1 + STAGES
-            mbarrier.expect(bars.index(rs), nbytes, pred=j < n)
-            tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(rs), w_box.index(rs),
-                           pred=j < n)
-            tma_async_load(x_desc, [row0, kb_in * 128], bars.index(rs), x_smem.index(rs), pred=j < n)
-            t_in, kb_in = _next_step(t_in, kb_in, NKB)
-        if (kb == NKB - 1) | (i == n - 1):
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)
-        tile, kb = _next_step(tile, kb, NKB)
-        ab ^= 1
-        stage += 1
-        phase ^= (stage == STAGES).to(gl.int32)
-        stage = gl.where(stage == STAGES, 0, stage)
+    i = 0
+    # One inner loop a row tile: the accumulator is in flight over the inner loop's back edge only
+    # (a tile's store inside the step loop made ptxas wait for every step's MMAs at its end).
+    for tile in range(s0 // NKB, (s0 + n - 1) // NKB + 1):
+        k0 = gl.maximum(s0 - tile * NKB, 0)
+        for kb in range(k0, gl.minimum(s0 + n - tile * NKB, NKB)):
+            mbarrier.wait(bars.index(stage), phase)
+            w = w_box.index(stage).reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+            a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))
+            fence_async_shared()
+            acc = warpgroup_mma(a_smem.index(ab), x_smem.index(stage).permute((1, 0)), acc, use_acc=kb != k0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # Every warpgroup has retired step i - 1's MMAs past this barrier: its activation stage
+            # and its weight buffer (the one step i + 1 decodes into) are free.
+            gl.thread_barrier()
+            if i >= 1:  # refill the stage of step i - 1 with step i - 1 + STAGES
+                rs = gl.where(stage == 0, STAGES - 1, stage - 1)
+                j = i - 1 + STAGES
+                mbarrier.expect(bars.index(rs), nbytes, pred=j < n)
+                tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(rs), w_box.index(rs),
+                               pred=j < n)
+                tma_async_load(x_desc, [row0, kb_in * 128], bars.index(rs), x_smem.index(rs), pred=j < n)
+                t_in, kb_in = _next_step(t_in, kb_in, NKB)
+            i += 1
+            ab ^= 1
+            stage += 1
+            phase ^= (stage == STAGES).to(gl.int32)
+            stage = gl.where(stage == STAGES, 0, stage)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)
     if PDL:
         _grid_dependency(_RELEASE_ASM)
     for i in gl.static_range(STAGES):
