@@ -1,6 +1,6 @@
 """The fp8 decode GEMM on the H200: gates, then timings against cuBLAS and escha's other paths.
 
-    python benchmarks/bench_decode_fp8.py --out DIR [--rounds 3] [--ms 64,128,192,256,384,512]
+    python benchmarks/bench_decode_fp8.py --out DIR [--rounds 3] [--ms 64,128,192,256,384,512,640,768,1024]
         [--shapes gate_up,down,down_8b] [--bits 2|3]
 
 Gates first: the e4m3 fragments bit for bit against the reference codec; at every point, before
@@ -8,7 +8,8 @@ its timing, the call against fp64 within the fp8 table (0.077) and the GEMM's pa
 exact product of its own e4m3 operands (2**-9; tests/test_decode_fp8.py derives both). Timing as
 bench_decode_wgmma.py: weights rotated over >= 4x L2, one CUDA graph an arm, device events, rounds
 interleaved across arms, median. Arms: cuBLAS bf16; cuBLAS fp8 (torch._scaled_mm, row-wise
-scales, operands already e4m3: its activation quantization is not timed); escha.matmul's rule;
+scales, operands already e4m3: its activation quantization is not timed); escha.matmul's rule
+(decode_fp8 itself from 129 to 512 tokens);
 the fp16 register-operand kernel (decode_wgmma's rule); the plain-core dequantize-once path
 (dequant-core-fp8); decode_fp8's rule, and above 128 tokens its blocks of 128 (``fp8_bn128``).
 """
@@ -74,52 +75,13 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     return e_call, float((got - ref).norm() / ref.norm())
 
 
-def staged_variants(m: int) -> dict[str, StagedConfig]:
-    """The staged kernel's builds for m tokens: StagedConfig(block, ring, warps along rows, along
-    tokens, programs an SM, register cap), the programs an SM from the sm_90a build's registers
-    and shared memory (offline, triton 3.6, K = 2 and 3 alike, no spills)."""
-    v = {}
-    if m <= 64:
-        v["st64"] = StagedConfig(64, 3, 4, 1, 4)
-        v["st64n2"] = StagedConfig(64, 2, 4, 2, 4)
-    if 64 < m <= 128:
-        v["st128"] = StagedConfig(128, 2, 4, 1, 3)
-        v["st128n2c80"] = StagedConfig(128, 2, 4, 2, 3, 80)
-    if m > 64:
-        v["st128m8n2c64"] = StagedConfig(128, 3, 8, 2, 2, 64)
-    if m > 128:
-        v["st256"] = StagedConfig(256, 2, 4, 1, 2)
-        v["st256n2c128"] = StagedConfig(256, 2, 4, 2, 2, 128)
-        v["st256m8n2"] = StagedConfig(256, 2, 8, 2, 1)
-        v["st256m8n2s3"] = StagedConfig(256, 3, 8, 2, 1)
-    return v
-
-
-def gate_staged(qw, w_ref: torch.Tensor, m: int, cfg: StagedConfig, ref_cfg) -> tuple[float, float, float]:
-    """(whole call against fp64, partials against the exact e4m3 product, largest difference of
-    the summed partials from the register-operand kernel's), fresh inputs, poisoned partials."""
-    x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
-    y = staged_call(x, qw, cfg)
-    e_call = rel_err(y, x.double() @ w_ref.T) if torch.isfinite(y).all() else float("nan")
-    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
-    ws, counts = staged_partials(xq, qw, cfg)
-    got = summed_partials(ws, counts)
-    ref = xq.double() @ mma_order(reference_core(qw)).double().T
-    ws_a, counts_a = gemm_partials(xq, qw, ref_cfg)
-    diff = float((got - summed_partials(ws_a, counts_a)).abs().max())
-    return e_call, float((got - ref).norm() / ref.norm()), diff
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--ms", default="64,128,192,256,384,512")
+    ap.add_argument("--ms", default="64,128,192,256,384,512,640,768,1024")
     ap.add_argument("--shapes", default="gate_up,down,down_8b")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3))
-    ap.add_argument("--staged", action="store_true",
-                    help="add the staged kernel's builds (decoded weights through shared memory)")
-    ap.add_argument("--only-gemm", action="store_true", help="with --staged: no rule or dequantize arms")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -173,19 +135,6 @@ def main() -> int:
                         log(f"GATE FAIL {name} M={m} {label}: call {e_call:.3e}, partials {e_part:.3e}")
                         continue
                     arms[label] = (lambda i, c=c: decode_fp8(xs[i % 2], ws[i], config=c), len(ws))
-                if args.staged:
-                    if args.only_gemm:
-                        for k in ("escha", "wgmma", "core_fp8"):
-                            arms.pop(k)
-                    for label, c in staged_variants(m).items():
-                        e_call, e_part, diff = gate_staged(ws[0], w_ref, m, c, cfg)
-                        point[f"err_{label}"], point[f"err_partials_{label}"] = e_call, e_part
-                        point[f"diff_{label}"] = diff
-                        log(f"  gate {label}: call {e_call:.3e} partials {e_part:.3e} |staged - register A| {diff:.3e}")
-                        if not (e_call <= FP8_TOL and e_part <= PARTIALS_TOL):
-                            log(f"GATE FAIL {name} M={m} {label}")
-                            continue
-                        arms[label] = (lambda i, c=c: staged_call(xs[i % 2], ws[i], c), len(ws))
                 med = time_arms(timer, arms, args.rounds)
                 point["us"] = med
                 point["config"] = dataclasses.asdict(cfg)

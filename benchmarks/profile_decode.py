@@ -21,7 +21,7 @@ import torch
 
 from escha.format import random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_fp8 import StagedConfig, decode_fp8, staged_call
+from escha.kernels.decode_fp8 import decode_fp8
 from escha.kernels.decode_wgmma import decode_wgmma, decode_wgmma_config
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336)}
@@ -56,9 +56,7 @@ def timeline(run, calls: int) -> list[list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--path", choices=("wgmma", "portable", "fp8", "staged"), default="wgmma")
-    ap.add_argument("--staged", default="256,2,4,1,2",
-                    help="with --path staged: block,stages,wm,wn,per_sm[,max_registers] (decode_fp8.StagedConfig)")
+    ap.add_argument("--path", choices=("wgmma", "portable", "fp8"), default="wgmma")
     ap.add_argument("--shape", choices=tuple(SHAPES), default="gate_up")
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--calls", type=int, default=5)
@@ -68,7 +66,6 @@ def main() -> None:
     qw = random_qweight(*SHAPES[args.shape], bits=2, seed=0, device="cuda")
     x = torch.randn(args.m, qw.in_features, device="cuda", dtype=torch.bfloat16)
     cfg = decode_wgmma_config(qw, args.m, x.device)
-    staged = StagedConfig(*[int(v) for v in args.staged.split(",")])
     if args.start != "rule":
         cfg = dataclasses.replace(cfg, early_start=args.start == "early")
 
@@ -77,8 +74,6 @@ def main() -> None:
             decode_wgmma(x, qw, config=cfg)
         elif args.path == "fp8":
             decode_fp8(x, qw)
-        elif args.path == "staged":
-            staged_call(x, qw, staged)
         else:
             decode(x, qw)
 

@@ -46,9 +46,6 @@
 # PHASE "host":    GPU tests, then the host time of one eager escha.matmul call beside its GPU time
 #                  (benchmarks/bench_host.py, with cProfile's top functions); run "profile" after it
 #                  for the whole model eager.
-# PHASE "staged":  the fp8 decode GEMM with its decoded weights through shared memory (decode_fp8's
-#                  staged builds) beside the register-operand one and cuBLAS (bench_decode_fp8.py
-#                  --staged; STAGED_MS, STAGED_SHAPES, STAGED_BITS), then the GPU tests.
 # PHASE "investigate": what the even-split numbers left open (docs/KERNELS.md, "Next, from these
 #                  numbers"): ncu of the GEMM loop at gate_up M=8 and M=64 (issue slots, and the
 #                  stall reasons per issued instruction, which the text report leaves out),
@@ -61,11 +58,12 @@
 #                  memcheck and racecheck over benchmarks/results/k3_cap/sanitize.py, then
 #                  bench_decode_wgmma.py --variants --bits 3 at 8-64 tokens on three shapes (the
 #                  capped rule in the rule's place, the uncapped build as the variant "uncapped").
-# PHASE "fp8":     the register-operand decode GEMM on fp8 tensor cores (escha/kernels/decode_fp8.py):
-#                  its GPU tests, compute-sanitizer memcheck and racecheck over its sanitizer cases
-#                  (the small grid at 1, 130 and 300 tokens), then bench_decode_fp8.py (K=2 at
-#                  64-512 tokens on three shapes, K=3 at 128 and 256 on two) beside cuBLAS and
-#                  escha's other paths; then each of its three kernels timed alone (breakdown.py).
+# PHASE "fp8":     the fp8 decode GEMM (escha/kernels/decode_fp8.py, escha.matmul's path from 129 to
+#                  512 tokens on Hopper): its GPU tests and the dispatcher's, compute-sanitizer
+#                  memcheck and racecheck over its sanitizer cases (the small grid at 1, 100, 130 and
+#                  300 tokens: every token block's build), then bench_decode_fp8.py (K=2 at 64-1024
+#                  tokens on three shapes, K=3 at 128-512 on two) beside cuBLAS and escha's other
+#                  paths; then each of its three kernels timed alone (breakdown.py).
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
@@ -208,20 +206,15 @@ case "$phase" in
       --shapes gate_up,down,down_8b --rounds 3 --variants --bits 3
     ;;
   fp8)
-    step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py
-    step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,130,300 \
+    step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py tests/test_dispatch.py
+    step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \
       ESCHA_SANITIZER_TOOLS=memcheck benchmarks/run_sanitizer.sh "$out/sanitizer_memcheck_fp8.txt"
-    step racecheck_fp8 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,130,300 \
+    step racecheck_fp8 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \
       ESCHA_SANITIZER_TOOLS=racecheck benchmarks/run_sanitizer.sh "$out/sanitizer_racecheck_fp8.txt"
     step bench_fp8 240 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8" --rounds 3
     step bench_fp8_k3 90 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8_k3" --rounds 3 --bits 3 \
-      --ms 128,256 --shapes gate_up,down
+      --ms 128,256,512 --shapes gate_up,down
     step breakdown_fp8 90 python benchmarks/results/decode_fp8/breakdown.py "$out/breakdown_fp8"
-    ;;
-  staged)
-    step bench_staged 300 python benchmarks/bench_decode_fp8.py --out "$out/bench_staged" --rounds 3 --staged \
-      --ms "${STAGED_MS:-64,128,256,512}" --shapes "${STAGED_SHAPES:-gate_up,down,down_8b}" --bits "${STAGED_BITS:-2}"
-    step gpu_suite 280 python -m pytest -q -m gpu -p no:cacheprovider
     ;;
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \

@@ -11,9 +11,10 @@ Paths (``KernelPath``) and the op each runs (``dispatch_table()``):
     dequant-core-fp8, dequant-core-bf16  dequantize the plain core T (no Hadamard product), one
                   library GEMM, then Hn and the row scales in one pass over its output: the
                   dequantize-once form for fewer rows (DispatchRule.dequant_path).
-    decode-fp8    the register-operand decode GEMM on the fp8 tensor cores for Hopper
-                  (escha.kernels.decode_fp8, Gluon): e4m3 weights and activations, one
-                  token block of up to 256; selectable by path (the rule does not take it yet).
+    decode-fp8    the decode GEMM on the fp8 tensor cores for Hopper (escha.kernels.decode_fp8,
+                  Gluon): e4m3 weights and activations, token blocks of up to 256; what the
+                  rule runs past the decode range up to DispatchRule.fp8_decode_max_m, where it
+                  can (sm_90, K = 2 or 3).
 
 Every op has the shape ``op(x, qw, *, config=None)`` and picks its own launch configuration by
 its rule; adding a path is one ``KernelPath`` member and one entry in ``dispatch_table``.
@@ -147,7 +148,8 @@ class DispatchRule:
     M <= decode_max_m: a decode kernel (``resolve_path`` picks the register-operand or the
     portable one; past the portable kernel's 64 tokens, where the register-operand kernel cannot
     run, a dequantize-once path). decode_max_m < M < dequant_min_m: fused prefill kernel.
-    M >= dequant_min_m: dequantize once + fp8 library GEMM, in one of two forms (``dequant_path``):
+    dequant_min_m <= M <= fp8_decode_max_m: the fp8 decode GEMM (decode-fp8) where it runs (Hopper,
+    K = 2 or 3), else as above it. Above: dequantize once + fp8 library GEMM, in one of two forms (``dequant_path``):
     the plain core and a pass over the output (dequant-core-fp8) up to ``core_m_per_kblock``
     tokens per 128 input features, the core with Hn folded in (dequant-fp8) above. The plain form
     saves a 128x128 product per weight block (work proportional to N*K) and pays a read and a write
@@ -169,6 +171,10 @@ class DispatchRule:
     decode_max_m: int = 128
     dequant_min_m: int = 129
     core_m_per_kblock: int = 48
+    #: decode_fp8 from dequant_min_m to here (benchmarks/results/decode_fp8/, docs/KERNELS.md
+    #: "Register-operand decode on the fp8 tensor cores": faster than the plain-core form at every
+    #: point measured from 192 to 512 tokens on three shapes).
+    fp8_decode_max_m: int = 512
 
     def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:
         """The path for M rows of a weight with ``in_features`` inputs at this precision."""
@@ -178,6 +184,8 @@ class DispatchRule:
             return KernelPath.DECODE
         if m < self.dequant_min_m:
             return KernelPath.PREFILL
+        if m <= self.fp8_decode_max_m:
+            return KernelPath.DECODE_FP8
         return self.dequant_path(m, in_features)
 
     def dequant_path(self, m: int, in_features: int, precision: Precision | str = Precision.FP8) -> KernelPath:
@@ -222,7 +230,9 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
     The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3:
     since the transforms moved into registers it measured faster than the portable kernel at 11
     of 12 points up to 16 tokens on four shapes, docs/KERNELS.md); elsewhere the portable kernel,
-    up to its 64 tokens; above those, dequantize-once. A path asked for by name runs as asked.
+    up to its 64 tokens; above those, dequantize-once, but from dequant_min_m to
+    fp8_decode_max_m the fp8 decode GEMM where it can (Hopper, K = 2 or 3). A path asked for by
+    name runs as asked.
     """
     if path is not None and path not in _PATH_CODE:
         raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
@@ -243,6 +253,10 @@ def _resolve(m: int, shape: tuple[int, int], bits: int, codebook_id: int, device
     if path is not None:
         return _PATHS[path]
     chosen = rule.choose(m, _PRECISIONS[precision], in_features=shape[1])
+    if chosen == KernelPath.DECODE_FP8:
+        if dispatch_table()[KernelPath.DECODE_FP8].available(device, bits, m, True):
+            return chosen
+        return rule.dequant_path(m, shape[1])
     if chosen != KernelPath.DECODE:
         return chosen
     if dispatch_table()[KernelPath.DECODE_WGMMA].available(device, bits, m, True):
@@ -254,7 +268,7 @@ def _resolve(m: int, shape: tuple[int, int], bits: int, codebook_id: int, device
 
 # The custom op's schema: x, the weight's stored tensors in declaration order, then ints.
 _INT_ARGS = ("out_features", "in_features", "bits", "codebook_id", "path", "precision",
-             "decode_max_m", "dequant_min_m", "core_m_per_kblock")
+             "decode_max_m", "dequant_min_m", "core_m_per_kblock", "fp8_decode_max_m")
 # Then, optionally, the weight and eps of a RowNorm applied to x first, and the row weights,
 # block flags and eps of a HeadNorm applied to y's heads.
 _SCHEMA = ("(Tensor x, " + ", ".join(f"Tensor {n}" for n in TENSOR_NAMES) + ", "
@@ -296,8 +310,8 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     tensors, ints = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):_N_FIXED]
     rest = tuple(args[_N_FIXED:])
     norm_weight, norm_eps, head_weight, head_blocks, head_eps = rest + _OPTIONAL[len(rest):]
-    out_features, in_features, bits, codebook_id, path, precision, decode_max_m, dequant_min_m, core_m_per_kblock = ints
-    rule = DispatchRule(decode_max_m=decode_max_m, dequant_min_m=dequant_min_m, core_m_per_kblock=core_m_per_kblock)
+    out_features, in_features, bits, codebook_id, path, precision, *limits = ints
+    rule = DispatchRule(*limits)
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
     norm = None if norm_weight is None else RowNorm(norm_weight, norm_eps)
     head = None if head_weight is None else HeadNorm(head_weight, head_blocks, head_eps)
@@ -378,7 +392,7 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
         return _product(x, qw, path, precision, r, norm, head_norm)
     code = _AUTO if path is None else _PATH_CODE[path]
     ints = (qw.out_features, qw.in_features, qw.bits, qw.codebook_id, code, _PRECISION_CODE[precision],
-            r.decode_max_m, r.dequant_min_m, r.core_m_per_kblock)
+            r.decode_max_m, r.dequant_min_m, r.core_m_per_kblock, r.fp8_decode_max_m)
     norms = (None, 0.0) if norm is None else (norm.weight, float(norm.eps))
     heads = (None, None, 0.0) if head_norm is None else (head_norm.weight, head_norm.blocks, float(head_norm.eps))
     return torch.ops.escha.matmul(x, *qw.tensors().values(), *ints, *norms, *heads)

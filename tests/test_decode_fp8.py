@@ -83,8 +83,9 @@ def test_input_transform_fp8_has_one_order():
 def test_rule_blocks_and_one_wave(m, block):
     cfg = df._config(17408, 5120, m, None, None)
     assert cfg.block_tokens == block
+    assert (cfg.stages, cfg.warps_m, cfg.warps_n) == df.BUILDS[block]
     blocks = -(-m // block)
-    assert cfg.programs == min(17408 // 64 * 40 // df.MIN_STEPS,
+    assert cfg.programs == min(17408 // (16 * cfg.warps_m) * 40 // df.MIN_STEPS,
                                -(-df.PROGRAMS_PER_SM[block] * df.HOPPER_SMS // blocks))
 
 
@@ -93,7 +94,7 @@ def test_config_with_another_block():
     block is refused."""
     qw = random_qweight(512, 1024, bits=2, seed=0)
     cfg = df.config_with_block(qw, 300, 128)
-    assert (cfg.block_tokens, cfg.stages) == (128, 3)
+    assert (cfg.block_tokens, cfg.stages, cfg.warps_m, cfg.warps_n) == (128, *df.BUILDS[128])
     assert cfg.programs == min(8 * 8 // df.MIN_STEPS, -(-df.PROGRAMS_PER_SM[128] * df.HOPPER_SMS // 3))
     assert df.config_with_block(qw, 300, None) == df.decode_fp8_config(qw, 300)
     with pytest.raises(ValueError, match="block_tokens must be one of"):
@@ -116,13 +117,12 @@ _COMPILE = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from escha.kernels.decode_fp8 import PROGRAMS_PER_SM, gemm_source, rule_variant
+from escha.kernels.decode_fp8 import BUILDS, gemm_source
 out = {}
-for bn in sorted(PROGRAMS_PER_SM):
-    _, stages = rule_variant(bn)
+for bn, (_, wm, wn) in sorted(BUILDS.items()):
     for bits in (2, 3):
-        k = triton.compile(gemm_source(bits, bn, stages), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "launch_pdl": True})
+        k = triton.compile(gemm_source(bits, bn), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": wm * wn, "launch_pdl": True})
         out[f"{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex(), k.asm["ptx"]]
 json.dump(out, sys.stdout)
 """
@@ -130,7 +130,7 @@ json.dump(out, sys.stdout)
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """(shared bytes, cubin, PTX) of the rule's GEMM variants at K = 2 and 3, compiled for sm_90a
+    """(shared bytes, cubin, PTX) of the rule's GEMM builds at K = 2 and 3, compiled for sm_90a
     in a child process (compiling Gluon and the CPU interpreter do not mix in one process)."""
     script = tmp_path_factory.mktemp("sm90") / "compile_decode_fp8.py"
     script.write_text(_COMPILE)
@@ -142,20 +142,46 @@ def builds(tmp_path_factory):
     return {tuple(int(v) for v in k.split(",")): p for k, p in json.loads(run.stdout).items()}
 
 
+def _step(ptx: str) -> str:
+    """The PTX of a step: from the wait for its words and activations to its wait for MMAs."""
+    start = ptx.index("mbarrier.try_wait")
+    return ptx[start:ptx.index("wgmma.wait_group.sync.aligned", start)]
+
+
+def _sass(cubin_hex: str, name: str) -> str:
+    tool = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".fp8_{name}.cubin")
+    try:
+        with open(path, "wb") as f:
+            f.write(bytes.fromhex(cubin_hex))
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+
+
 @pytest.mark.parametrize("bits", [2, 3])
-@pytest.mark.parametrize("bn", sorted(df.PROGRAMS_PER_SM))
-def test_ptx_fp8_mma_from_registers(builds, bits, bn):
-    """Every wgmma is m64nBNk32 e4m3 x e4m3 with A in registers (four of them a thread), four a
-    step; nothing is stored to shared memory (the decoded weights stay in registers); each step
-    converts its 64 weights a thread with 32 mul.f16x2 (the factor 64) and 32 cvt to e4m3x2."""
-    ptx = builds[(bits, bn)][2]
-    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3\s+\{[^}]*\},\s*\{(%r\d+,?){4}\}",
-                      ptx)
-    assert len(mmas) == 4 and all(n == str(bn) for n, _ in mmas)
+@pytest.mark.parametrize("bn", sorted(df.BUILDS))
+def test_ptx_fp8_mma_from_shared_memory_in_flight(builds, bits, bn):
+    """Each step: a thread's 64 / warps_n weights of the tile (one mul.f16x2 by 64 and one cvt to
+    e4m3x2 a pair) stored with one stmatrix x4 each 16, a proxy fence, then four wgmma m64n(BN / warps_n)k32 e4m3 x e4m3 with both
+    operands from shared memory (descriptors, no A registers) and a wait that leaves them in
+    flight. In the SASS, one wait for all but the last group (the step's) and one for all (after a
+    tile's steps): ptxas added no wait of its own (it did when a tile's store sat in the step loop)."""
+    _, _, wn = df.BUILDS[bn]
+    _, cubin, ptx = builds[(bits, bn)]
+    step = _step(ptx)
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3\s+\{[^}]*\},\s*%rd\d+,\s*%rd\d+",
+                      step)
+    assert len(mmas) == 4 and all(n == str(bn // wn) for n in mmas)
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4
-    assert "st.shared" not in ptx
-    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", ptx)) == 32
-    assert len(re.findall(r"mul(?:\.rn)?\.f16x2", ptx)) == 32
+    assert len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", step)) == 4 // wn
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", step)) == 32 // wn
+    assert len(re.findall(r"mul(?:\.rn)?\.f16x2", step)) == 32 // wn
+    assert step.rindex("stmatrix") < step.index("fence.proxy.async") < step.index("wgmma.mma_async")
+    assert ptx.count("wgmma.wait_group.sync.aligned 1") == 1 and ptx.count("wgmma.wait_group.sync.aligned 0") == 1
+    sass = _sass(cubin, f"{bits}_{bn}")
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 1
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 1
     # Dependent launch: the wait for x' once, after the first word copies and before any activation
     # copy; the release once, after the loop.
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
@@ -164,13 +190,14 @@ def test_ptx_fp8_mma_from_registers(builds, bits, bn):
 
 
 @pytest.mark.parametrize("bits", [2, 3])
-@pytest.mark.parametrize("bn", sorted(df.PROGRAMS_PER_SM))
+@pytest.mark.parametrize("bn", sorted(df.BUILDS))
 def test_programs_per_sm_is_the_compiled_occupancy(builds, bits, bn):
     """PROGRAMS_PER_SM is what an sm_90 SM holds of the rule's build: 64K registers (8 a thread at a
-    time, 128 threads a program), 228 KB of shared memory (1 KB reserved a program). Exact, and
+    time, 32 threads a warp), 228 KB of shared memory (1 KB reserved a program). Exact, and
     without spills, under the release it was measured with (3.6); under another the table may
     hold fewer programs than fit, never more."""
     from escha.kernels.triton_compat import TRITON_RELEASE
+    _, wm, wn = df.BUILDS[bn]
     shared, cubin, _ = builds[(bits, bn)]
     tool = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "cuobjdump")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".fp8_{bits}_{bn}.cubin")
@@ -181,8 +208,8 @@ def test_programs_per_sm_is_the_compiled_occupancy(builds, bits, bn):
     finally:
         os.remove(path)
     regs = -(-int(re.search(r"\bREG:(\d+)", text).group(1)) // 8) * 8
-    fits = min(65536 // (128 * regs), 233472 // (shared + 1024))
-    if TRITON_RELEASE == (3, 6):  # the release measured: exact, and no spills (3.9 spills 24 bytes at 256)
+    fits = min(65536 // (32 * wm * wn * regs), 233472 // (shared + 1024))
+    if TRITON_RELEASE == (3, 6):  # the release measured: exact, and no spills
         assert int(re.search(r"STACK:(\d+)", text).group(1)) == 0
         assert df.PROGRAMS_PER_SM[bn] == fits
     else:
@@ -209,17 +236,19 @@ def test_fragments_bit_exact(bits, shape):
 @pytest.mark.parametrize("bits", [2, 3])
 def test_partials_are_the_e4m3_product(m, bits):
     """The GEMM's partials, summed, are x'_q (64 T)^T of its own e4m3 operands within the
-    accumulation bound, on the rule's grid and on grids of one step a program and one program."""
+    accumulation bound, in every block's build, on its wave and on grids of one step a program
+    and one program."""
     qw = random_qweight(300, 700, bits=bits, seed=m + bits, device="cuda")
     x = torch.randn(m, 700, device="cuda", dtype=torch.bfloat16)
     xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
     ref = xq.double() @ df.mma_order(df.reference_core(qw)).double().T
-    cfg = df.decode_fp8_config(qw, m, x.device)
-    steps = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
-    for programs in (cfg.programs, steps, 1):
-        ws, counts = df.gemm_partials(xq, qw, dataclasses.replace(cfg, programs=programs))
-        got = summed_partials(ws, counts)
-        assert float((got - ref).norm() / ref.norm()) <= PARTIALS_TOL, programs
+    for block in df.BUILDS:
+        cfg = df.config_with_block(qw, m, block, x.device)
+        steps = qw.padded_shape[0] // (16 * cfg.warps_m) * (qw.padded_shape[1] // 128)
+        for programs in (cfg.programs, steps, 1):
+            ws, counts = df.gemm_partials(xq, qw, dataclasses.replace(cfg, programs=programs))
+            got = summed_partials(ws, counts)
+            assert float((got - ref).norm() / ref.norm()) <= PARTIALS_TOL, (block, programs)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Where decode_fp8's time goes on the H200: its three kernels each timed alone (the input transform's
 fp8 form, the GEMM, the output transform; plain launches) beside the fp16 register-operand kernel's GEMM and
-its whole call, gate_up and down at 64, 128 and 256 tokens (weights rotated past L2, CUDA graphs,
+its whole call, gate_up and down at 64, 128, 256 and 512 tokens (weights rotated past L2, CUDA graphs,
 median of 3 rounds, bench_decode_wgmma's harness).
 Usage (repository root, on the GPU): python benchmarks/results/decode_fp8/breakdown.py OUT_DIR"""
 import importlib
@@ -28,7 +28,7 @@ for name in ("gate_up", "down"):
     ws = weight_set(n, k, 4 * l2 / 2, seed=len(name), bits=2)
     for w in ws:
         dw.packed_words(w)
-    for m in (64, 128, 256):
+    for m in (64, 128, 256, 512):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfg = df.decode_fp8_config(ws[0], m, x.device)
         plain = cfg.__class__(**{**cfg.__dict__, "dependent_launch": False})
