@@ -28,18 +28,8 @@ import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import dequantize, random_qweight
-from escha.kernels.decode_fp8 import (
-    StagedConfig,
-    config_with_block,
-    decode_fp8,
-    decode_fp8_config,
-    decoded_fragments,
-    gemm_partials,
-    mma_order,
-    reference_core,
-    staged_call,
-    staged_partials,
-)
+from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
+                                      mma_order, reference_core)
 from escha.kernels.decode_wgmma import decode_wgmma, packed_words, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
 from escha.kernels.transforms import prepare_input
