@@ -5,7 +5,7 @@
 
 Gates first: the e4m3 fragments bit for bit against the reference codec; at every point, before
 its timing, the call against fp64 within the fp8 table (0.077) and the GEMM's partials against the
-exact product of its own e4m3 operands (2**-9; tests/test_decode_fp8.py derives both). Timing as
+exact product of its own e4m3 operands (2**-8; tests/test_decode_fp8.py derives both). Timing as
 bench_decode_wgmma.py: weights rotated over >= 4x L2, one CUDA graph an arm, device events, rounds
 interleaved across arms, median. Arms: cuBLAS bf16; cuBLAS fp8 (torch._scaled_mm, row-wise
 scales, operands already e4m3: its activation quantization is not timed); escha.matmul's rule
@@ -39,7 +39,7 @@ from bench_decode import env_info, weight_set
 from bench_decode_wgmma import SHAPES, rel_err, time_arms
 
 FP8_TOL = 0.077  # tests/test_decode_fp8.py
-PARTIALS_TOL = 2.0**-9
+PARTIALS_TOL = 2.0**-8  # tests/test_decode_fp8.py
 
 
 def gate_fragments(log) -> bool:

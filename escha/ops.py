@@ -13,8 +13,8 @@ Paths (``KernelPath``) and the op each runs (``dispatch_table()``):
                   dequantize-once form for fewer rows (DispatchRule.dequant_path).
     decode-fp8    the decode GEMM on the fp8 tensor cores for Hopper (escha.kernels.decode_fp8,
                   Gluon): e4m3 weights and activations, token blocks of up to 256; what the
-                  rule runs past the decode range up to DispatchRule.fp8_decode_max_m, where it
-                  can (sm_90, K = 2 or 3).
+                  rule runs past the decode range up to DispatchRule.fp8_decode_max_m (256),
+                  where it can (sm_90, K = 2 or 3).
 
 Every op has the shape ``op(x, qw, *, config=None)`` and picks its own launch configuration by
 its rule; adding a path is one ``KernelPath`` member and one entry in ``dispatch_table``.
@@ -171,10 +171,11 @@ class DispatchRule:
     decode_max_m: int = 128
     dequant_min_m: int = 129
     core_m_per_kblock: int = 48
-    #: decode_fp8 from dequant_min_m to here (benchmarks/results/decode_fp8/, docs/KERNELS.md
-    #: "Register-operand decode on the fp8 tensor cores": faster than the plain-core form at every
-    #: point measured from 192 to 512 tokens on three shapes).
-    fp8_decode_max_m: int = 512
+    #: decode_fp8 from dequant_min_m to here: its blocks of up to 256 tokens decode each weight
+    #: once, and it was 27-36% faster than the plain-core form at 192 and 256 tokens on three
+    #: shapes; from 384 (two blocks, each weight decoded twice) it lost or drew on two of three
+    #: (benchmarks/results/decode_fp8/h200_ad4f7ce, docs/KERNELS.md "Decode on the fp8 tensor cores").
+    fp8_decode_max_m: int = 256
 
     def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:
         """The path for M rows of a weight with ``in_features`` inputs at this precision."""

@@ -22,14 +22,14 @@ K_GATE_UP, K_DOWN = 5120, 8704  # the seed shapes' in_features: 40 and 68 blocks
 @pytest.mark.parametrize("m,k,want", [(1, K_GATE_UP, KernelPath.DECODE), (64, K_GATE_UP, KernelPath.DECODE),
                                       (128, K_GATE_UP, KernelPath.DECODE),
                                       (129, K_GATE_UP, KernelPath.DECODE_FP8),
-                                      (512, K_GATE_UP, KernelPath.DECODE_FP8),
-                                      (513, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
+                                      (256, K_GATE_UP, KernelPath.DECODE_FP8),
+                                      (257, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
                                       (48 * 40, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
                                       (48 * 40 + 1, K_GATE_UP, KernelPath.DEQUANT_FP8),
                                       (2048, K_DOWN, KernelPath.DEQUANT_CORE_FP8),
                                       (48 * 68 + 1, K_DOWN, KernelPath.DEQUANT_FP8),
                                       (8192, K_DOWN, KernelPath.DEQUANT_FP8),
-                                      (513, 1, KernelPath.DEQUANT_FP8),  # one ragged block: 48 rows
+                                      (257, 1, KernelPath.DEQUANT_FP8),  # one ragged block: 48 rows
                                       (48, 1, KernelPath.DECODE)])
 def test_rule_boundaries(m, k, want):
     assert DEFAULT_RULE.choose(m, in_features=k) == want
@@ -69,7 +69,7 @@ def test_rule_override_is_per_call():
     assert rule.choose(64, in_features=512) == KernelPath.PREFILL
     assert rule.choose(100, in_features=512) == rule.choose(150, in_features=512) == KernelPath.DECODE_FP8
     assert rule.choose(151, in_features=512) == KernelPath.DEQUANT_FP8
-    assert DEFAULT_RULE.choose(600, in_features=1024) == KernelPath.DEQUANT_FP8  # the default is untouched
+    assert DEFAULT_RULE.choose(300, in_features=1024) == KernelPath.DEQUANT_CORE_FP8  # the default is untouched
     assert DispatchRule(dequant_min_m=1000).choose(200, in_features=512) == KernelPath.PREFILL
     with pytest.raises(Exception):
         rule.decode_max_m = 5  # frozen: a rule cannot be changed behind a caller's back
@@ -93,12 +93,12 @@ def test_resolve_path_on_device(monkeypatch):
     # tokens, dequantize-once (the plain-core form: 4 blocks of inputs serve up to 192 rows).
     for m in (65, 128):
         assert resolve_path(m, qw) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DEQUANT_CORE_FP8)
-    # 129..512 tokens: the fp8 decode GEMM where it runs (the same devices and K), else dequantize-once.
+    # 129..256 tokens: the fp8 decode GEMM where it runs (the same devices and K), else dequantize-once.
     fp8 = dispatch_table()[KernelPath.DECODE_FP8].available(dev, 2, 129, True)
     assert fp8 == wgmma
     assert resolve_path(129, qw) == (KernelPath.DECODE_FP8 if fp8 else KernelPath.DEQUANT_CORE_FP8)
     assert resolve_path(193, qw) == (KernelPath.DECODE_FP8 if fp8 else KernelPath.DEQUANT_FP8)
-    assert resolve_path(513, qw) == KernelPath.DEQUANT_FP8
+    assert resolve_path(257, qw) == KernelPath.DEQUANT_FP8
     assert resolve_path(200, QuantizedWeight.placeholder((256, 512), 4, device=dev)) == KernelPath.DEQUANT_FP8
     assert resolve_path(65, qw, rule=DispatchRule(decode_max_m=64, dequant_min_m=128)) == KernelPath.PREFILL
     assert resolve_path(600, qw, rule=DispatchRule(dequant_min_m=600)) == KernelPath.DEQUANT_FP8
@@ -164,7 +164,7 @@ def test_fake_impl_shapes():
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         x = mode.from_tensor(torch.randn(2, 7, 140, device=DEV, dtype=torch.float16))
         args = [mode.from_tensor(t) for t in (qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale)]
-        y = torch.ops.escha.matmul(x, *args, 130, 140, 2, 0, -1, 0, 64, 512, 48, 512)
+        y = torch.ops.escha.matmul(x, *args, 130, 140, 2, 0, -1, 0, 64, 512, 48, 256)
         assert y.shape == (2, 7, 130) and y.dtype == torch.float16
 
 
@@ -174,7 +174,7 @@ def test_opcheck():
     for path_code in (0, 2):  # reference, prefill
         torch.library.opcheck(torch.ops.escha.matmul.default,
                               (x, qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale, 130, 140, 2, 0,
-                               path_code, 0, 64, 512, 48, 512),
+                               path_code, 0, 64, 512, 48, 256),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

@@ -12,8 +12,8 @@ this step's MMAs do. The activations are e4m3 (the input transform's ``fp8`` for
 power of two per token, |x' 2**e| <= 2**8). Half the tensor-core time and half the activation
 bytes of the fp16 kernel, at the fp8 paths' accuracy (docs/KERNELS.md, Prefill, "Accuracy"), and
 token blocks up to 256 (each weight decoded once up to 256 tokens): ``escha.matmul``'s path from
-129 to 512 tokens on Hopper, where the fp16 kernel's MMAs, waited for each step, cost as much as
-its decode.
+129 to 256 tokens on Hopper (``DispatchRule.fp8_decode_max_m``), where the fp16 kernel's MMAs,
+waited for each step, cost as much as its decode.
 
 Layout. The MMA's k order inside a 128-block is ours (``transforms.prepare_input(..., fp8=True)``
 stores x' the same way); it is the order the decode produces, in which a thread owns tiles 2t and
@@ -416,22 +416,25 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
 
 # -- Why the configuration is what it is ---------------------------------------------------------
 # Measured on one H200 (torch 2.11+cu130, triton 3.6.0), CUDA graphs, weights rotated past L2,
-# median of 3, benchmarks/bench_decode_fp8.py (docs/KERNELS.md, "Register-operand decode on the
-# fp8 tensor cores", where the numbers below are tabled).
+# median of 3, benchmarks/bench_decode_fp8.py (docs/KERNELS.md, "Decode on the fp8 tensor cores",
+# where the numbers below are tabled).
 # Shared memory, not registers: the first form of this kernel decoded into wgmma's register A
 # operand (1379f2b-54c692a); triton 3.6 cannot keep an 8-bit register operand alive over an
-# asynchronous wgmma, so each step waited for its MMAs before the next decode, and at 256 tokens
-# a step's 64-row activation tile (32 KB) is read again by every 64-row tile. Staged through
-# shared memory, the MMAs run under the next decode; gate_up / down / 8B down at 256 tokens, the
-# whole call: 79.6 / 48.1 / 58.0 us against 109.9 / 78.8 / 90.6 in the register form
-# (staged_h200_79f741a). At 64 tokens the register form was 6% faster (44.5 against 47.4 on
-# gate_up), where the rule runs the fp16 kernel.
-# Builds (BUILDS): blocks of 256 as 8 warps along 128 rows x 2 warpgroups along the tokens with a
-# ring of 3 (one program an SM, 16 warps): 79.6 us against 88.7 for 4 warps over 64 rows (two an
-# SM, 8 warps; ncu: 2.2 issue stalls an instruction on the TMA waits, the 64-row tiles reading
-# each activation tile twice as often) and 87.6 with 2 warpgroups along the tokens capped at 128
-# registers (two an SM); blocks of 128 as 4 warps over 64 rows, ring of 2 (three an SM): 61.9 us
-# against 63.9 with 2 warpgroups capped at 80 (three) and 63.2 with 8 x 2 warps at 64 (two); 64
-# tokens: 4 warps, ring of 3 (four an SM), 47.4 against 54.9 with two warpgroups along the tokens.
-# From 257 tokens, blocks of 256 (each weight decoded once a block): gate_up 512 151.7 us against
-# 220.3 for blocks of 128.
+# asynchronous wgmma, so each step waited for its MMAs before the next decode, and its 64-row
+# tiles read each 32 KB activation tile of a 256-token block once per 64 rows. Staged through
+# shared memory, the MMAs run under the next decode: the whole call at 256 tokens on gate_up /
+# down / 8B down 79.6 / 48.1 / 58.0 us against 109.9 / 78.8 / 90.6 in the register form
+# (results/decode_fp8/staged_h200_79f741a). At 64 tokens the register form was 6% faster (44.5
+# against 47.4 on gate_up); the rule runs the fp16 kernel there.
+# Builds (BUILDS), same run: blocks of 256 as 8 warps over 128 rows x 2 warpgroups along the
+# tokens with a ring of 3 (one program an SM, 16 warps): 79.6 us against 88.7 for 4 warps over
+# 64 rows (two an SM; ncu: 2.2 issue stalls an instruction waiting on the TMA ring, each
+# activation tile read once per 64 rows) and 87.6 with two warpgroups along the tokens capped at
+# 128 registers (two an SM); blocks of 128 as 4 warps over 64 rows with a ring of 2 (three an
+# SM): 61.9 us against 63.9 with two warpgroups capped at 80 registers (three an SM) and 63.2
+# with 8 x 2 warps capped at 64 (two); 64 tokens: 4 warps, ring of 3 (four an SM), 47.4 against
+# 54.9 with two warpgroups along the tokens. More warps did not help: the loop is bound by its
+# CTA barriers and TMA waits, not by the decode's issue (ncu, same folder).
+# A tile's store sits after an inner loop over the tile's steps: inside the step loop it made
+# ptxas wait for every step's MMAs at the loop's end (ncu: 7% of samples on that wait; the SASS
+# test checks that the build has one wait for all MMAs).
