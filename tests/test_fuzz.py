@@ -2,7 +2,9 @@
 
 Every case must either match the fp32 reference within the path's tolerance or be refused with a
 clear exception (TypeError/ValueError naming the problem). CI runs a few examples; the slow
-test runs >= 1000 and writes a summary (benchmarks/results/fuzz_summary.json is such a run).
+test runs >= 1000 and writes a summary (benchmarks/results/fuzz_summary.json is such a run). On a
+CUDA GPU ``test_fuzz_matmul_gpu`` (marked gpu) runs ESCHA_FUZZ_GPU_EXAMPLES cases (200) on the
+compiled kernels, the Gluon ones the interpreter cannot run included.
 """
 from __future__ import annotations
 
@@ -40,16 +42,17 @@ summary: collections.Counter = collections.Counter()
 
 
 def check_case(out: int, inp: int, m: int, dtype: torch.dtype, bits: int, path: str | None,
-               seed: int, norm: bool = False) -> str:
+               seed: int, norm: bool = False, device: str = "cpu") -> str:
     """Run one case; return its outcome ('pass:<path>' or 'refused:<Exception>'), or fail.
-    ``norm``: with an RMSNorm (weight of x's dtype) applied to x first (escha.RowNorm)."""
-    qw = random_qweight(out, inp, bits, seed=seed)
+    ``norm``: with an RMSNorm (weight of x's dtype) applied to x first (escha.RowNorm).
+    ``device``: where the weight and x live (CUDA runs the compiled kernels, Gluon's included)."""
+    qw = random_qweight(out, inp, bits, seed=seed).to(device)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, inp, generator=g, dtype=torch.float64)
-    x = x.to(dtype) if dtype.is_floating_point else (x * 10).to(dtype)
+    x = (x.to(dtype) if dtype.is_floating_point else (x * 10).to(dtype)).to(device)
     row_norm = None
     if norm and dtype.is_floating_point:
-        row_norm = escha.RowNorm((torch.rand(inp, generator=g, dtype=torch.float64) + 0.5).to(dtype), 1e-6)
+        row_norm = escha.RowNorm((torch.rand(inp, generator=g, dtype=torch.float64) + 0.5).to(dtype).to(device), 1e-6)
     try:
         y = escha.matmul(x, qw, path=path, norm=row_norm)
     except (TypeError, ValueError) as e:
@@ -108,3 +111,27 @@ def test_fuzz_matmul_long(out, inp, m, dtype, bits, path, seed, norm):
         with open(target, "w") as f:
             json.dump({"device": str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu",
                        "torch": torch.__version__, "outcomes": dict(sorted(summary.items()))}, f, indent=1)
+
+
+# On a CUDA GPU: the compiled kernels, the Hopper-only Gluon ones included (decode-wgmma, decode-fp8,
+# which the interpreter cannot run), at M up to 300 (every decode-fp8 token block).
+GPU_CASE = dict(CASE, path=st.sampled_from([None, "decode-wgmma", "decode-fp8", "prefill", "dequant-fp8",
+                                            "dequant-core-fp8", "dequant-bf16", "dequant-core-bf16"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@settings(max_examples=int(os.environ.get("ESCHA_FUZZ_GPU_EXAMPLES", "200")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(**GPU_CASE)
+def test_fuzz_matmul_gpu(out, inp, m, dtype, bits, path, seed, norm):
+    if path in ("decode-wgmma", "decode-fp8") and torch.cuda.get_device_capability() != (9, 0):
+        path = None  # the Hopper kernels; elsewhere the rule's choice
+    outcome = check_case(out, inp, m, dtype, bits, path, seed, norm, device="cuda")
+    summary[outcome] += 1
+    summary["cases"] += 1
+    target = os.environ.get("ESCHA_FUZZ_SUMMARY")
+    if target:
+        with open(target, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "outcomes": dict(sorted(summary.items()))}, f, indent=1)
