@@ -14,8 +14,8 @@ force (``escha``) and its loss, and both against bf16 and fp8 cuBLAS (issue targ
 1.00x bf16 at every M, at most 1.15x fp8 at M >= 2048 and 1.30x at M = 512), and the ranges as
 ``DispatchRule`` thresholds when they take the order it expresses (``as_dispatch_rule``).
 
-Candidates are the fp8-precision paths (``decode``, ``decode-wgmma``, ``prefill``, ``dequant-core-fp8``,
-``dequant-fp8``); the two dequantize-once forms count as one stage of the rule, chosen between by
+Candidates are the fp8-precision paths (``decode``, ``decode-wgmma``, ``prefill``, ``decode-fp8``,
+``dequant-core-fp8``, ``dequant-fp8``); the two dequantize-once forms count as one stage of the rule, chosen between by
 rows per 128 inputs (``core_m_per_kblock``, fitted over the points where both ran);
 ``dequant-core-bf16`` and ``dequant-bf16`` are what ``precision="bf16"`` selects (by the same
 rows per 128 inputs), and ``reference`` is not a kernel.
@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-CANDIDATES = ("decode", "decode-wgmma", "prefill", "dequant-core-fp8", "dequant-fp8")
+CANDIDATES = ("decode", "decode-wgmma", "prefill", "decode-fp8", "dequant-core-fp8", "dequant-fp8")
 DEQUANT_FORMS = ("dequant-core-fp8", "dequant-fp8")  # chosen between by K (DispatchRule.dequant_path)
 RULE_ARM = "escha"
 PREFIX = "escha-"
@@ -106,20 +106,24 @@ DECODE_PATHS = ("decode", "decode-wgmma")
 
 def as_dispatch_rule(ranges: list[tuple[int, int, str]]) -> dict | None:
     """The ``escha.ops.DispatchRule`` thresholds the ranges amount to, when they take the order
-    the rule can express (decode paths, then the fused prefill kernel, then dequant-fp8), else
-    None. A threshold between two measured M is put at the smaller one's next integer."""
-    order = {"decode": 0, "decode-wgmma": 0, "prefill": 1, "dequant-core-fp8": 2, "dequant-fp8": 2}
+    the rule can express (decode paths, then the fused prefill kernel, then the fp8 decode GEMM,
+    then dequantize-once), else None. A lower threshold between two measured M is put at the
+    smaller one's next integer; ``fp8_decode_max_m`` at the last M the fp8 decode GEMM took (0:
+    none)."""
+    order = {"decode": 0, "decode-wgmma": 0, "prefill": 1, "decode-fp8": 2, "dequant-core-fp8": 3, "dequant-fp8": 3}
     stages = [order[p] for _, _, p in ranges]
     if stages != sorted(stages):
         return None
     decode_max = max((hi for _, hi, p in ranges if p in DECODE_PATHS), default=0)
-    dequant_min = min((lo for lo, _, p in ranges if p in DEQUANT_FORMS), default=None)
+    # dequant_min_m starts the stages after the fused kernel: the fp8 decode GEMM, then dequantize-once.
+    dequant_min = min((lo for lo, _, p in ranges if order[p] >= 2), default=None)
     prefill_hi = max((hi for _, hi, p in ranges if p == "prefill"), default=None)
-    if dequant_min is None:  # no dequant range measured: the fused kernel takes every larger M
+    fp8_max = max((hi for _, hi, p in ranges if p == "decode-fp8"), default=0)
+    if dequant_min is None:  # no later range measured: the fused kernel takes every larger M
         dequant_min = 2**31 - 1
     elif prefill_hi is not None or decode_max:
         dequant_min = (prefill_hi if prefill_hi is not None else decode_max) + 1
-    return {"decode_max_m": decode_max, "dequant_min_m": dequant_min}
+    return {"decode_max_m": decode_max, "dequant_min_m": dequant_min, "fp8_decode_max_m": fp8_max}
 
 
 def fit_core_m_per_kblock(points: list[Point], dequant_min_m: int) -> tuple[int, float] | None:
@@ -175,9 +179,9 @@ def markdown(fitted: dict) -> str:
     else:
         core = (f", core_m_per_kblock={rule['core_m_per_kblock']}" if "core_m_per_kblock" in rule else "")
         out += ["", f"As `escha.ops.DispatchRule`: `DispatchRule(decode_max_m={rule['decode_max_m']}, "
-                    f"dequant_min_m={rule['dequant_min_m']}{core})` (inside the decode range, the register-operand "
-                    f"kernel wherever it runs, else the portable one; between the two dequantize-once "
-                    f"forms, `DispatchRule.dequant_path` by K)."]
+                    f"dequant_min_m={rule['dequant_min_m']}{core}, fp8_decode_max_m={rule['fp8_decode_max_m']})` "
+                    f"(inside the decode range, the register-operand kernel wherever it runs, else the portable "
+                    f"one; between the two dequantize-once forms, `DispatchRule.dequant_path` by K)."]
         if fitted.get("core_form_worst_loss") is not None:
             out += ["", f"The K-proportional choice between the dequantize-once forms loses at most "
                         f"{100 * fitted['core_form_worst_loss']:.1f}% against the faster form where both ran."]

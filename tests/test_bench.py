@@ -426,10 +426,16 @@ def test_fit_dispatch_minimax_over_shapes(tmp_path):
     assert doc["ranges"] == [{"m_from": 8, "m_to": 8, "path": "decode-wgmma"},
                              {"m_from": 64, "m_to": 64, "path": "decode"},
                              {"m_from": 512, "m_to": 512, "path": "dequant-fp8"}]
-    assert doc["dispatch_rule"] == {"decode_max_m": 64, "dequant_min_m": 65}  # decode up to 64, then dequant
+    assert doc["dispatch_rule"] == {"decode_max_m": 64, "dequant_min_m": 65,  # decode up to 64, then dequant
+                                    "fp8_decode_max_m": 0}
     assert fit.as_dispatch_rule([(1, 64, "decode"), (96, 128, "dequant-fp8"), (192, 256, "prefill")]) is None
     assert fit.as_dispatch_rule([(1, 8, "decode-wgmma"), (16, 64, "decode"), (96, 256, "prefill"),
-                                 (384, 8192, "dequant-fp8")]) == {"decode_max_m": 64, "dequant_min_m": 257}
+                                 (384, 8192, "dequant-fp8")]) == {"decode_max_m": 64, "dequant_min_m": 257,
+                                                                  "fp8_decode_max_m": 0}
+    # The fp8 decode GEMM between the decode range and dequantize-once; out of that order, no rule.
+    assert fit.as_dispatch_rule([(1, 128, "decode-wgmma"), (192, 256, "decode-fp8"), (384, 8192, "dequant-fp8")]) == {
+        "decode_max_m": 128, "dequant_min_m": 129, "fp8_decode_max_m": 256}
+    assert fit.as_dispatch_rule([(1, 128, "decode-wgmma"), (192, 256, "dequant-fp8"), (384, 512, "decode-fp8")]) is None
     assert doc["worst"]["fitted_loss"] == pytest.approx(0.02)
     assert doc["worst"]["rule_loss"] == pytest.approx(0.10)
     point = next(p for p in doc["points"] if p["shape"] == "down" and p["M"] == 64)
