@@ -226,10 +226,12 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("shape", [(128, 128), (300, 520), (17408, 5120)])
 def test_fragments_bit_exact(bits, shape):
+    """The decoded tile, as 4-warp (16 rows a warp) and 8-warp (8 rows a warp) builds decode it."""
     qw = random_qweight(*shape, bits=bits, seed=sum(shape) + bits, device="cuda")
-    got = df.decoded_fragments(qw)
     want = df.mma_order(df.reference_core(qw))
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    for warps_n in (1, 2):
+        got = df.decoded_fragments(qw, warps_n)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), warps_n
 
 
 @pytest.mark.gpu

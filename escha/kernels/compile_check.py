@@ -83,7 +83,8 @@ def _launches() -> Iterator[str]:
             yield f"decode_fp8 K={bits} M={m}"
             decode_fp8_launch(x(m), qw, decode_fp8_config(qw, m, cuda), None)
         yield f"decode_fp8 fragments K={bits}"
-        fp8_fragments(qw)
+        for warps_n in (1, 2):
+            fp8_fragments(qw, warps_n)
         for m in (64, 256):
             yield f"prefill K={bits} M={m}"
             prefill(x(m), qw, config=dataclasses.replace(prefill_config(qw, m, cuda), **ptx))

@@ -103,14 +103,15 @@ def fp8_mma_column_order(device: torch.device | str = "cpu") -> torch.Tensor:
 
 @gluon.jit
 def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
-    """e4m3(64 T) [ROWS, 128] (fp8 MMA column order) from the words of ROWS / 16 warps, in the
-    registers the decode leaves it (L8 permuted)."""
+    """e4m3(64 T) [ROWS, 128] (fp8 MMA column order) from the words ``w`` of a step (layout WL
+    of the kernel: [warp, 8-row group, g, tile half, t, hi/lo]), in the registers the decode
+    leaves it: L8 ([warp, 8-row group, g, s, h, u, t, e]) with t and u traded."""
     W7: gl.constexpr = gl.SliceLayout(7, L8)
     W5: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W7))
-    hi, lo = gl.split(w)  # [warp, row half, g, u, t]
+    hi, lo = gl.split(w)  # [warp, row group, g, u, t]
     hi = gl.expand_dims(gl.expand_dims(gl.convert_layout(hi, W5), 3), 4).to(gl.uint32, bitcast=True)
     lo = gl.expand_dims(gl.expand_dims(gl.convert_layout(lo, W5), 3), 4).to(gl.uint32, bitcast=True)
-    v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [4, 2, 8, 1, 1, 2, 4] row windows
+    v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [warps, groups, 8, 1, 1, 2, 4] row windows
     c = (2 * _iota(4, 3, 7, W7) + _iota(2, 4, 7, W7)).to(gl.uint64)  # tile column c = 2 s + h
     if BITS == 2:
         va, vb = _pair_values(((v << (2 * c)) >> 32).to(gl.uint32))
@@ -127,8 +128,9 @@ def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.
     """Program p's part of row tile ``tile`` (ROWS rows, accumulator [ROWS, BN] in layout MMA) as
     its segment of the fp32 partials [segments, M, Np] (``decode_wgmma._store_partials``)."""
     seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
-    # Np through an opaque move: offsets computed here, not hoisted out of the loop into registers
-    # held across it (one a stored element).
+    # Np and M through an opaque move: the offsets and the mask are computed here, not hoisted out
+    # of the loop into registers held across it (one a stored element: 110 more registers at 128
+    # tokens, offline).
     Np, M = gl.inline_asm_elementwise("mov.b32 $0, $2; mov.b32 $1, $3;", "=r,=r,r,r", [Np, M],
                                       dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
     tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
@@ -139,8 +141,8 @@ def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.
 
 @gluon.jit
 def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
-                              BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WM: gl.constexpr,
-                              WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
+                       BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WM: gl.constexpr,
+                       WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
     e4m3(64 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
@@ -235,34 +237,40 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
 
 
 @gluon.jit
-def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr):
+def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr, WN: gl.constexpr):
     """Test kernel: writes the e4m3 tile the GEMM stores for (64-row block, k block) = program id
-    at T[64 nb + row, 128 kb + fp8 MMA column]: e4m3(64 T) of the reference, bit for bit."""
+    at T[64 nb + row, 128 kb + fp8 MMA column], decoded by 4 WN warps as the GEMM's builds with
+    WN warpgroups along the tokens decode it: e4m3(64 T) of the reference, bit for bit."""
     nb = gl.program_id(0)
     kb = gl.program_id(1)
-    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
-                                        warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
-    L8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 1, 4, 2, 2, 1, 2],
+    NW: gl.constexpr = 4 * WN
+    R2: gl.constexpr = 2 // WN
+    WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, R2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
+                                        warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
+    L8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, R2, 1, 4, 2, 2, 1, 2],
                                         threads_per_warp=[1, 1, 8, 1, 1, 1, 4, 1],
-                                        warps_per_cta=[4, 1, 1, 1, 1, 1, 1, 1], order=[7, 5, 1, 4, 3, 6, 2, 0])
-    OUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
+                                        warps_per_cta=[NW, 1, 1, 1, 1, 1, 1, 1], order=[7, 5, 1, 4, 3, 6, 2, 0])
+    OUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
                                          order=[1, 0])
     w = gl.load(words_ptr + (((nb // 2) * NKB + kb) * 2 + nb % 2).to(gl.int64) * 1024
-                + gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [4], [0])))
-    w = gl.convert_layout(w.reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]), WL)
+                + gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [NW], [0])))
+    w = gl.convert_layout(w.reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]), WL)
     a = gl.convert_layout(_decoded_fp8(w, BITS, L8, 64), OUT)
     rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))
     cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, OUT))
     gl.store(out_ptr + rows[:, None].to(gl.int64) * (NKB * 128) + cols[None, :], a)
 
 
-def decoded_fragments(qw: QuantizedWeight) -> torch.Tensor:
+def decoded_fragments(qw: QuantizedWeight, warps_n: int = 1) -> torch.Tensor:
     """e4m3 [Np, Kp]: e4m3(64 T) as the GEMM stores it for its MMAs (fp8 MMA column order in each
-    128-block). Equal bit for bit to ``mma_order(reference_core(qw))`` (tests)."""
+    128-block), decoded as its builds with ``warps_n`` warpgroups along the tokens decode it (1:
+    16 rows a warp; 2: 8). Equal bit for bit to ``mma_order(reference_core(qw))`` (tests)."""
+    if warps_n not in (1, 2):
+        raise ValueError(f"warps_n must be 1 or 2, got {warps_n}")
     np_, kp = qw.padded_shape
     out = torch.empty((np_, kp), dtype=FP8_DTYPE, device=qw.device)
     _fragment_kernel[(np_ // FRAGMENT_ROWS, kp // BLOCK_K)](_packed(qw).words, out, kp // BLOCK_K, BITS=qw.bits,
-                                                           num_warps=4)
+                                                           WN=warps_n, num_warps=4 * warps_n)
     return out
 
 
