@@ -164,17 +164,22 @@ def opcode_counts(instrs: list[str]) -> dict[str, int]:
     return counts
 
 
-def loop_census(sass: str) -> dict[str, int]:
+def loop_census(sass: str, containing: str | None = None) -> dict[str, int]:
     """Opcode counts of the loop body: the longest region closed by a backward branch
-    (``sass_instructions``' two listing styles; ``opcode_counts``' stripping)."""
+    (``sass_instructions``' two listing styles; ``opcode_counts``' stripping); with
+    ``containing`` (an opcode), the shortest such region that holds it (the innermost loop
+    around it, where an outer loop encloses the step loop)."""
     instrs, labels = sass_instructions(sass)
-    best = (0, 0)
+    regions = []
     for i, ins in enumerate(instrs):
         bm = re.search(r"BRA\s+`?\(?(\.?L\w+)", ins)
         if bm and bm.group(1) in labels and labels[bm.group(1)] <= i:
-            start = labels[bm.group(1)]
-            if i - start > best[1] - best[0]:
-                best = (start, i)
+            regions.append((labels[bm.group(1)], i))
+    if containing is not None:
+        regions = [r for r in regions if containing in opcode_counts(instrs[r[0]:r[1] + 1])]
+        best = min(regions, key=lambda r: r[1] - r[0], default=(0, 0))
+    else:
+        best = max(regions, key=lambda r: r[1] - r[0], default=(0, 0))
     return opcode_counts(instrs[best[0]:best[1] + 1])
 
 

@@ -18,6 +18,14 @@ block (more than 128 tokens) the kernel decodes it once per block, which the tab
         [--out benchmarks/results/decode_wgmma_census_share]
     python benchmarks/census_share.py --bench benchmarks/results/transforms_h200/decode_df4e2ec.json \\
         --out benchmarks/results/transforms_h200/census_share_df4e2ec
+    python benchmarks/census_share.py --kernel decode-fp8 \\
+        --bench benchmarks/results/decode_fp8/h200_ad4f7ce/bench_fp8/decode_fp8.json \\
+        --out benchmarks/results/decode_fp8/h200_ad4f7ce/census_share
+
+``--kernel decode-fp8``: the fp8 decode GEMM's builds (``decode_fp8.BUILDS``, token blocks 64-256),
+its step loop (the innermost loop around its QGMMA: a row tile's store closes an outer one), a
+thread's 64 / warps_n weights a step, and the times of a ``bench_decode_fp8.py`` result's "fp8"
+arm (its rule's whole call) at every M.
 
 ``--bench`` takes the times from a ``bench_decode_wgmma.py`` result instead of a sweep (its
 "wgmma" arm: the rule's whole call; any of its shapes; the clock is the GPU's maximum). ``--ms``
@@ -39,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_decode import INT_OPS, compile_in_child, loop_census  # noqa: E402
 
+from escha.kernels.decode_fp8 import BUILDS, rule_block  # noqa: E402
 from escha.kernels.decode_wgmma import MAX_TOKENS, rule_variant  # noqa: E402
 
 # (K, token block, fragments, stages, halves) of the rule's variants (the same for every weight shape).
@@ -59,9 +68,40 @@ json.dump(out, sys.stdout)
 """
 
 
+_COMPILE_FP8 = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from escha.kernels.decode_fp8 import BUILDS, gemm_source
+out = {}
+for bits in (2, 3):
+    for bn, (_, wm, wn) in sorted(BUILDS.items()):
+        k = triton.compile(gemm_source(bits, bn), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": wm * wn, "launch_pdl": True})
+        out[f"{bits},{bn}"] = k.asm["sass"]
+json.dump(out, sys.stdout)
+"""
+
+
 def compile_sass() -> dict[tuple[int, int, int], str]:
     out = compile_in_child(_COMPILE.replace("VARIANTS", repr(VARIANTS)), ROOT, what="the kernel")
     return {tuple(int(v) for v in k.split(",")): s for k, s in out.items()}
+
+
+def fp8_census() -> dict[str, dict]:
+    """The fp8 decode GEMM's step-loop census per (K, token block): a thread decodes 64 / warps_n
+    weights a step."""
+    out = compile_in_child(_COMPILE_FP8, ROOT, what="decode_fp8")
+    census = {}
+    for key, text in out.items():
+        bits, bn = (int(v) for v in key.split(","))
+        counts = loop_census(text, containing="QGMMA")
+        int_ops = sum(counts.get(k, 0) for k in INT_OPS)
+        weights = 64 // BUILDS[bn][2]
+        census[f"K{bits}/{bn}"] = {"warps": BUILDS[bn][1] * BUILDS[bn][2], "weights_per_thread": weights,
+                                   "loop_instructions": sum(counts.values()), "int_ops": int_ops,
+                                   "int_ops_per_weight": int_ops / weights, "counts": counts}
+    return census
 
 
 def token_block(m: int) -> int:
@@ -69,7 +109,7 @@ def token_block(m: int) -> int:
     return rule_variant(m, 2)[0]
 
 
-def measured_points(args) -> tuple[list[tuple[str, int, int, int, float, int]], dict]:
+def measured_points(args, arm: str = "wgmma", max_m: int = 256) -> tuple[list[tuple[str, int, int, int, float, int]], dict]:
     """(shape, N, K, M, whole-call µs, bits) of every gated decode point up to 256 tokens, and the
     run's GPU, SMs, clock and commit: from the dense sweep (K=2), or from a bench_decode_wgmma.py
     result (its points' bits, 2 where a result predates them)."""
@@ -81,8 +121,8 @@ def measured_points(args) -> tuple[list[tuple[str, int, int, int, float, int]], 
         meta = {"sms": env["sms"], "clock_hz": float(env["clocks_mhz"].split(",")[-1]) * 1e6,
                 "git_sha": env["git"], "gpu": env["gpu"]}
         for p in res["points"]:
-            if "us" in p and p["M"] <= 256:
-                points.append((p["shape"], p["N"], p["K"], p["M"], p["us"]["wgmma"], p.get("bits", 2)))
+            if "us" in p and arm in p["us"] and p["M"] <= max_m:
+                points.append((p["shape"], p["N"], p["K"], p["M"], p["us"][arm], p.get("bits", 2)))
         return points, meta
     for shape in ("gate_up", "down"):
         with open(os.path.join(args.sweep, f"{shape}_results.json")) as f:
@@ -101,22 +141,33 @@ def main() -> None:
     ap.add_argument("--arm", default="escha-decode-wgmma")
     ap.add_argument("--bench", help="a bench_decode_wgmma.py result json to take the times from instead")
     ap.add_argument("--ms", help="only these M (comma-separated): the points whose kernel is this tree's")
+    ap.add_argument("--kernel", choices=("decode-wgmma", "decode-fp8"), default="decode-wgmma")
+    ap.add_argument("--git", help="the commit the timings measured, where the result's own field does not name it "
+                                  "(a run started without ESCHA_GIT_SHA on a tree whose .git was stale)")
     args = ap.parse_args()
-    sass = compile_sass()
+    fp8 = args.kernel == "decode-fp8"
+    if fp8 and not args.bench:
+        ap.error("--kernel decode-fp8 takes its times from a bench_decode_fp8.py result (--bench)")
     census = {}
-    for (bits, bn, frags), text in sass.items():
-        counts = loop_census(text)
-        int_ops = sum(counts.get(k, 0) for k in INT_OPS)
-        census[f"K{bits}/{bn}"] = {"fragments": frags, "loop_instructions": sum(counts.values()),
-                                   "int_ops": int_ops, "int_ops_per_weight": int_ops / (64 * frags), "counts": counts}
-    points, meta = measured_points(args)
+    if fp8:
+        census = fp8_census()
+    else:
+        for (bits, bn, frags), text in compile_sass().items():
+            counts = loop_census(text)
+            int_ops = sum(counts.get(k, 0) for k in INT_OPS)
+            census[f"K{bits}/{bn}"] = {"fragments": frags, "loop_instructions": sum(counts.values()),
+                                       "int_ops": int_ops, "int_ops_per_weight": int_ops / (64 * frags),
+                                       "counts": counts}
+    points, meta = measured_points(args, "fp8", 1024) if fp8 else measured_points(args)
+    if args.git:
+        meta = {**meta, "git_sha": args.git}
     if args.ms:
         keep = {int(v) for v in args.ms.split(",")}
         points = [p for p in points if p[3] in keep]
     sms, clock = meta["sms"], meta["clock_hz"]
     rows = []
     for shape, n, k, m, us, bits in points:
-        block = token_block(m)
+        block = rule_block(m) if fp8 else token_block(m)
         c = census[f"K{bits}/{block}"]
         floor_us = c["int_ops_per_weight"] * n * k / (64 * sms * clock) * 1e6
         rows.append({"shape": shape, "bits": bits, "M": m, "token_block": block, "decodes": -(-m // block), "us": us,
@@ -124,10 +175,12 @@ def main() -> None:
                      "share": floor_us / us})
     source = args.bench or args.sweep
     meta_out = {"sweep": os.path.relpath(source, ROOT), "sweep_git": meta["git_sha"], "gpu": meta["gpu"],
-                "clock_hz": clock, "sms": sms, "arm": "wgmma" if args.bench else args.arm, "int_ops": list(INT_OPS)}
+                "clock_hz": clock, "sms": sms, "kernel": args.kernel,
+                "arm": ("fp8" if fp8 else "wgmma") if args.bench else args.arm, "int_ops": list(INT_OPS)}
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta_out, "census": census, "rows": rows}, f, indent=1)
-    lines = [f"# Register-operand decode: share of the integer floor per point ({meta['gpu']}, measured at "
+    title = "fp8 decode GEMM (decode_fp8)" if fp8 else "Register-operand decode"
+    lines = [f"# {title}: share of the integer floor per point ({meta['gpu']}, measured at "
              f"{meta['git_sha'][:7]}, {meta_out['sweep']})", "",
              "floor = integer ops per weight (loop census, sm_90a SASS) x N x K / (64 x SMs x clock); share = "
              f"floor / the whole call's median ({meta_out['arm']}: input transform, GEMM, output transform).", "",

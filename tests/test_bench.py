@@ -704,6 +704,19 @@ def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
         "        /*0040*/               @!P1 BRA `(.L_x_0) ;",
         "        /*0050*/                   EXIT ;"])
     assert cs.loop_census(sass) == {"IMAD": 1, "LOP3": 1, "PRMT": 1, "BRA": 1}
+    # An outer loop around the step loop (a tile's store after it): the step loop is the innermost
+    # region holding the MMA.
+    nested = "\n".join([
+        ".L_x_0:",
+        "        /*0000*/                   IMAD R2, R3, R4, R5 ;",
+        ".L_x_1:",
+        "        /*0010*/                   LOP3.LUT R2, R2, 0xff, RZ, 0xc0, !PT ;",
+        "        /*0020*/                   QGMMA.64x256x32.F32.E4M3.E4M3 R24, gdesc[UR20], R24 ;",
+        "        /*0030*/               @!P1 BRA `(.L_x_1) ;",
+        "        /*0040*/                   STG.E [R2], R24 ;",
+        "        /*0050*/               @!P2 BRA `(.L_x_0) ;"])
+    assert cs.loop_census(nested) == {"IMAD": 1, "LOP3": 1, "QGMMA": 1, "BRA": 2, "STG": 1}
+    assert cs.loop_census(nested, containing="QGMMA") == {"LOP3": 1, "QGMMA": 1, "BRA": 1}
     ms = (1, 8, 9, 16, 24, 64, 65, 200, 300)
     assert [cs.token_block(m) for m in ms] == [8, 8, 16, 16, 32, 64, 128, 128, 128]
     from escha.format import random_qweight
