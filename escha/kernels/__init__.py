@@ -4,7 +4,7 @@ benchmarks override it with ``dataclasses.replace``).
 
     decode        decode GEMM, 1..64 tokens                 DecodeConfig, decode_config
     decode_wgmma  register-operand decode GEMM (Hopper)     DecodeWgmmaConfig, decode_wgmma_config
-    decode_fp8    the same on fp8 tensor cores (Hopper)     DecodeFp8Config, decode_fp8_config
+    decode_fp8    fp8 decode GEMM, 129..256 tokens (Hopper)  DecodeFp8Config, decode_fp8_config
     prefill       fused fp8 GEMM decoding in the loop       PrefillConfig, prefill_config
     dequant_fp8   dequantize once (e4m3) + fp8 GEMM         DequantOnceConfig, dequant_once_config
     dequant_core_fp8  plain core (e4m3) + fp8 GEMM + Hn pass  DequantConfig, dequant_config(qw, device)
