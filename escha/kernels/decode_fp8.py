@@ -75,7 +75,7 @@ from .decode_wgmma import (
     segment_counts,
 )
 from .transforms import hadamard_output, prepare_input
-from .triton_compat import tma_async_load
+from .triton_compat import cta_barrier, tma_async_load
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
 
@@ -214,7 +214,7 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # Every warpgroup has retired step i - 1's MMAs past this barrier: its activation stage
             # and its weight buffer (the one step i + 1 decodes into) are free.
-            gl.thread_barrier()
+            cta_barrier()
             if i >= 1:  # refill the stage of step i - 1 with step i - 1 + STAGES
                 rs = gl.where(stage == 0, STAGES - 1, stage - 1)
                 j = i - 1 + STAGES

@@ -30,6 +30,10 @@ TRITON_RELEASE = _release(triton.__version__)
 # renamed ``async_load`` in 3.8; 3.9 keeps the old name only to raise an error.
 tma_async_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
+# A barrier of the CTA's threads: ``thread_barrier`` in 3.6, ``barrier`` in 3.9 (which has no
+# ``thread_barrier``).
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
 # A shared-memory buffer viewed with another dtype, shape or layout: the private ``_reinterpret``
 # in 3.6, the public ``reinterpret`` in 3.9 (which has no ``_reinterpret``). The branch is on a
 # constexpr, so only the existing method is ever traced.
