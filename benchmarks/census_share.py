@@ -72,12 +72,11 @@ _COMPILE_FP8 = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from escha.kernels.decode_fp8 import BUILDS, gemm_source
+from escha.kernels.decode_fp8 import BUILDS, compile_options, gemm_source
 out = {}
 for bits in (2, 3):
-    for bn, (_, wm, wn) in sorted(BUILDS.items()):
-        k = triton.compile(gemm_source(bits, bn), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": wm * wn, "launch_pdl": True})
+    for bn in sorted(BUILDS):
+        k = triton.compile(gemm_source(bits, bn), target=GPUTarget("cuda", 90, 32), options=compile_options(bn))
         out[f"{bits},{bn}"] = k.asm["sass"]
 json.dump(out, sys.stdout)
 """

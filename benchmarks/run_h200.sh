@@ -54,6 +54,10 @@
 # PHASE "variants": the register-operand decode GEMM's variants beside the rule at 1-16 tokens, K=2
 #                  (bench_decode_wgmma.py --variants: the halves codec capped at fewer registers
 #                  for more programs an SM, the exact codec's two fragments, the rule before).
+# PHASE "fp8-ab":  a change to decode_fp8 against what it replaces: its and the dispatcher's GPU
+#                  tests, then bench_decode_fp8.py at FP8_MS (default 128-512 tokens) with
+#                  FP8_PREVIOUS (an earlier decode_fp8.py, e.g. `git show REV:escha/kernels/decode_fp8.py`,
+#                  in an ignored folder the device call carries) as the arm fp8_prev.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
 #                  memcheck and racecheck over benchmarks/results/k3_cap/sanitize.py, then
 #                  bench_decode_wgmma.py --variants --bits 3 at 8-64 tokens on three shapes (the
@@ -204,6 +208,11 @@ case "$phase" in
     step racecheck_k3 150 compute-sanitizer --tool racecheck --error-exitcode 99 python benchmarks/results/k3_cap/sanitize.py
     step variants_k3 240 python benchmarks/bench_decode_wgmma.py --out "$out/variants_k3" --ms 8,16,32,64 \
       --shapes gate_up,down,down_8b --rounds 3 --variants --bits 3
+    ;;
+  fp8-ab)
+    step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py tests/test_dispatch.py
+    step bench_fp8 330 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8" --rounds 3 \
+      --ms "${FP8_MS:-128,192,256,384,512}" ${FP8_PREVIOUS:+--previous "$FP8_PREVIOUS"}
     ;;
   fp8)
     step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py tests/test_dispatch.py

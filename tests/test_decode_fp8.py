@@ -85,7 +85,7 @@ def test_input_transform_fp8_has_one_order():
 def test_rule_blocks_and_one_wave(m, block):
     cfg = df._config(17408, 5120, m, None, None)
     assert cfg.block_tokens == block
-    assert (cfg.stages, cfg.warps_m, cfg.warps_n) == df.BUILDS[block]
+    assert (cfg.stages, cfg.warps_m, cfg.warps_n, cfg.max_registers) == df.BUILDS[block]
     blocks = -(-m // block)
     assert cfg.programs == min(17408 // (16 * cfg.warps_m) * 40 // df.MIN_STEPS,
                                -(-df.PROGRAMS_PER_SM[block] * df.HOPPER_SMS // blocks))
@@ -96,7 +96,7 @@ def test_config_with_another_block():
     block is refused."""
     qw = random_qweight(512, 1024, bits=2, seed=0)
     cfg = df.config_with_block(qw, 300, 128)
-    assert (cfg.block_tokens, cfg.stages, cfg.warps_m, cfg.warps_n) == (128, *df.BUILDS[128])
+    assert (cfg.block_tokens, cfg.stages, cfg.warps_m, cfg.warps_n, cfg.max_registers) == (128, *df.BUILDS[128])
     assert cfg.programs == min(8 * 8 // df.MIN_STEPS, -(-df.PROGRAMS_PER_SM[128] * df.HOPPER_SMS // 3))
     assert df.config_with_block(qw, 300, None) == df.decode_fp8_config(qw, 300)
     with pytest.raises(ValueError, match="block_tokens must be one of"):
@@ -119,12 +119,11 @@ _COMPILE = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from escha.kernels.decode_fp8 import BUILDS, gemm_source
+from escha.kernels.decode_fp8 import BUILDS, compile_options, gemm_source
 out = {}
-for bn, (_, wm, wn) in sorted(BUILDS.items()):
+for bn in sorted(BUILDS):
     for bits in (2, 3):
-        k = triton.compile(gemm_source(bits, bn), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": wm * wn, "launch_pdl": True})
+        k = triton.compile(gemm_source(bits, bn), target=GPUTarget("cuda", 90, 32), options=compile_options(bn))
         out[f"{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex(), k.asm["ptx"]]
 json.dump(out, sys.stdout)
 """
@@ -145,8 +144,10 @@ def builds(tmp_path_factory):
 
 
 def _step(ptx: str) -> str:
-    """The PTX of a step: from the wait for its words and activations to its wait for MMAs."""
-    start = ptx.index("mbarrier.try_wait")
+    """The PTX of a step: from its fetch of the words two steps ahead (the loads after the
+    prologue's two steps) to its wait for MMAs."""
+    loads = [mo.start() for mo in re.finditer(r"ld\.global\.v4\.b32", ptx)]
+    start = loads[2 * len(loads) // 3]
     return ptx[start:ptx.index("wgmma.wait_group.sync.aligned", start)]
 
 
@@ -169,7 +170,7 @@ def test_ptx_fp8_mma_from_shared_memory_in_flight(builds, bits, bn):
     operands from shared memory (descriptors, no A registers) and a wait that leaves them in
     flight. In the SASS, one wait for all but the last group (the step's) and one for all (after a
     tile's steps): ptxas added no wait of its own (it did when a tile's store sat in the step loop)."""
-    _, _, wn = df.BUILDS[bn]
+    _, _, wn, _ = df.BUILDS[bn]
     _, cubin, ptx = builds[(bits, bn)]
     step = _step(ptx)
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3\s+\{[^}]*\},\s*%rd\d+,\s*%rd\d+",
@@ -181,14 +182,24 @@ def test_ptx_fp8_mma_from_shared_memory_in_flight(builds, bits, bn):
     assert len(re.findall(r"mul(?:\.rn)?\.f16x2", step)) == 32 // wn
     assert step.rindex("stmatrix") < step.index("fence.proxy.async") < step.index("wgmma.mma_async")
     assert ptx.count("wgmma.wait_group.sync.aligned 1") == 1 and ptx.count("wgmma.wait_group.sync.aligned 0") == 1
+    # Two CTA barriers a step and no mbarrier: the words come straight into registers (one 16-byte
+    # load a row group), the activations by cp.async, whose wait sits right before the first
+    # barrier (else Triton adds one); the second frees the step's buffers for the refill.
+    stages = df.BUILDS[bn][0]
+    assert "mbarrier" not in ptx and "ld.shared" not in step
+    assert len(re.findall(r"ld\.global\.v4\.b32", step)) == 2 // wn
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == 3 * (2 // wn)
+    loop = ptx[ptx.index("stmatrix"):ptx.index("cp.async.commit_group", ptx.index("wgmma.wait_group.sync.aligned 1"))]
+    assert loop.count("bar.sync") == 2
+    assert re.search(rf"cp\.async\.wait_group\s+{stages - 2};(\s+(//.*|\.loc.*|\$L\w+:))*\s+bar\.sync", loop)
     sass = _sass(cubin, f"{bits}_{bn}")
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 1
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 1
-    # Dependent launch: the wait for x' once, after the first word copies and before any activation
+    # Dependent launch: the wait for x' once, after the first word loads and before any activation
     # copy; the release once, after the loop.
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
-    copies = [mo.start() for mo in re.finditer(r"cp\.async\.bulk\.tensor", ptx)]
-    assert copies[0] < ptx.index("griddepcontrol.wait") < copies[-1] < ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait") < ptx.index("cp.async.cg")
+    assert ptx.rindex("cp.async.cg") < ptx.index("griddepcontrol.launch_dependents")
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -199,7 +210,7 @@ def test_programs_per_sm_is_the_compiled_occupancy(builds, bits, bn):
     without spills, under the release it was measured with (3.6); under another the table may
     hold fewer programs than fit, never more."""
     from escha.kernels.triton_compat import TRITON_RELEASE
-    _, wm, wn = df.BUILDS[bn]
+    _, wm, wn, _ = df.BUILDS[bn]
     shared, cubin, _ = builds[(bits, bn)]
     tool = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "cuobjdump")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".fp8_{bits}_{bn}.cubin")

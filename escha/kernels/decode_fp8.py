@@ -35,13 +35,12 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..format.codec import decode_trellis
 from ..format.qweight import QuantizedWeight
@@ -61,7 +60,6 @@ from .decode_wgmma import (
     FRAGMENT_ROWS,
     HOPPER_SMS,
     SUPPORTED_BITS,
-    WORDS_SMEM_LAYOUT,
     _grid_dependency,
     _iota,
     _most_segments,
@@ -75,7 +73,7 @@ from .decode_wgmma import (
     segment_counts,
 )
 from .transforms import hadamard_output, prepare_input
-from .triton_compat import cta_barrier, tma_async_load
+from .triton_compat import cta_barrier
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
 
@@ -140,17 +138,46 @@ def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.
 
 
 @gluon.jit
-def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
+def _step_words(words_ptr, tile, kb, NKB, ok, NW: gl.constexpr, R2: gl.constexpr, WL: gl.constexpr):
+    """The words of step (tile, kb) in the decode's layout WL, straight from global memory (the
+    rows of ``_word_row``: each thread's four words of a row group are one 16-byte run, each warp's
+    load 512 contiguous bytes); zeros where not ``ok``."""
+    FRAGS: gl.constexpr = NW * R2 // 8
+    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[NW, 1, 1], order=[2, 1, 0])
+    offs = (_iota(NW, 0, 3, L3) * (R2 * 128) + _iota(R2, 1, 3, L3) * 128 + _iota(128, 2, 3, L3))
+    base = words_ptr + _word_row(tile, kb, NKB, FRAGS).to(gl.int64) * 128
+    w = gl.load(base + offs, mask=(offs >= 0) & ok, other=0)
+    return gl.convert_layout(w.reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]), WL, assert_trivial=True)
+
+
+@gluon.jit
+def _copy_activations(x_smem, x_ptr, row0, kb, M, KP, ok, BN: gl.constexpr, NW: gl.constexpr):
+    """cp.async of the activation tile x'_q[row0 : row0 + BN, 128 kb : 128 kb + 128] into
+    ``x_smem`` (16 bytes a copy; rows past M, or all of it where not ``ok``, as zeros), as one
+    commit group of this thread."""
+    XL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
+                                        order=[1, 0])
+    rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, XL))
+    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+    ptrs = x_ptr + rows[:, None].to(gl.int64) * KP + cols[None, :]
+    async_copy.async_copy_global_to_shared(x_smem, ptrs, mask=(rows[:, None] < M) & ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _decode_fp8_kernel(x_ptr, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WM: gl.constexpr,
-                       WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
+                       WN: gl.constexpr, A_SMEM: gl.constexpr, X_SMEM: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
     e4m3(64 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
-    split, TMA ring and output). Each step's words and activation tile arrive by TMA on one
-    mbarrier; the warps decode the tile's e4m3 weights into one of two shared buffers, and the
-    wgmma reads both operands from shared memory, asynchronously: step i's decode runs while step
-    i - 1's MMAs do. WM warps split the tile's rows, WN its tokens (each warpgroup's MMA takes BN
-    / WN of them); every warp decodes 16 / WN rows. With PDL it fetches its first words while the
+    split and output). Each step's words come from global memory into registers two steps ahead,
+    its activation tile by cp.async into a ring of STAGES; the warps decode the tile's e4m3
+    weights into one of two shared buffers, and the wgmma reads both operands from shared memory,
+    asynchronously: step i's decode runs while step i - 1's MMAs do. Two CTA barriers a step and
+    no mbarrier. WM warps split the tile's rows, WN its tokens (each warpgroup's MMA takes BN /
+    WN of them); every warp decodes 16 / WN rows. With PDL it fetches its first words while the
     input transform runs, then waits for x', and releases the output transform after its loop."""
     p = gl.program_id(0)
     tb = gl.program_id(1)
@@ -158,8 +185,8 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     n = (((p + 1).to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32) - s0
     NW: gl.constexpr = WM * WN
     ROWS: gl.constexpr = 16 * WM
-    FRAGS: gl.constexpr = WM // 4
     R2: gl.constexpr = 2 // WN  # 8-row groups a warp decodes
+    KP = NKB * 128
 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WN],
                                                   instr_shape=[16, BN // WN, 32])
@@ -169,35 +196,26 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, R2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
 
-    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], x_desc.layout)
-    w_box = gl.allocate_shared_memory(gl.int32, [STAGES, 8 * FRAGS, 128], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], X_SMEM)
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, ROWS, 128], A_SMEM)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
 
     row0 = tb * BN
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     tile = s0 // NKB
     kb = s0 - tile * NKB
-    t_in = tile
-    kb_in = kb
-    for i in gl.static_range(STAGES):
-        mbarrier.expect(bars.index(i), nbytes, pred=i < n)
-        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
-        t_in, kb_in = _next_step(t_in, kb_in, NKB)
+    w_now = _step_words(words_ptr, tile, kb, NKB, n > 0, NW, R2, WL)
+    t_in, kb_in = _next_step(tile, kb, NKB)
+    w_next = _step_words(words_ptr, t_in, kb_in, NKB, n > 1, NW, R2, WL)
+    t_in, kb_in = _next_step(t_in, kb_in, NKB)  # the next words to fetch: step 2
     if PDL:
         _grid_dependency(_WAIT_ASM)
     t_x = tile
     kb_x = kb
     for i in gl.static_range(STAGES):
-        tma_async_load(x_desc, [row0, kb_x * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        _copy_activations(x_smem.index(i), x_ptr, row0, kb_x, M, KP, i < n, BN, NW)
         t_x, kb_x = _next_step(t_x, kb_x, NKB)
 
     acc = gl.zeros([ROWS, BN], dtype=gl.float32, layout=MMA)
     stage = 0
-    phase = 0
     ab = 0
     i = 0
     # One inner loop a row tile: the accumulator is in flight over the inner loop's back edge only
@@ -205,9 +223,16 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     for tile in range(s0 // NKB, (s0 + n - 1) // NKB + 1):
         k0 = gl.maximum(s0 - tile * NKB, 0)
         for kb in range(k0, gl.minimum(s0 + n - tile * NKB, NKB)):
-            mbarrier.wait(bars.index(stage), phase)
-            w = w_box.index(stage).reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
+            w = w_now
+            w_now = w_next
+            w_next = _step_words(words_ptr, t_in, kb_in, NKB, i + 2 < n, NW, R2, WL)
+            t_in, kb_in = _next_step(t_in, kb_in, NKB)
             a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))
+            fence_async_shared()
+            # This thread's copies of step i's activations have landed (the ring keeps STAGES - 2
+            # younger groups in flight); past the barrier, everyone's have, and the decoded tile.
+            async_copy.wait_group(STAGES - 2)
+            cta_barrier()
             fence_async_shared()
             acc = warpgroup_mma(a_smem.index(ab), x_smem.index(stage).permute((1, 0)), acc, use_acc=kb != k0,
                                 is_async=True)
@@ -217,23 +242,17 @@ def _decode_fp8_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             cta_barrier()
             if i >= 1:  # refill the stage of step i - 1 with step i - 1 + STAGES
                 rs = gl.where(stage == 0, STAGES - 1, stage - 1)
-                j = i - 1 + STAGES
-                mbarrier.expect(bars.index(rs), nbytes, pred=j < n)
-                tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(rs), w_box.index(rs),
-                               pred=j < n)
-                tma_async_load(x_desc, [row0, kb_in * 128], bars.index(rs), x_smem.index(rs), pred=j < n)
-                t_in, kb_in = _next_step(t_in, kb_in, NKB)
+                _copy_activations(x_smem.index(rs), x_ptr, row0, kb_x, M, KP, i - 1 + STAGES < n, BN, NW)
+                t_x, kb_x = _next_step(t_x, kb_x, NKB)
             i += 1
             ab ^= 1
             stage += 1
-            phase ^= (stage == STAGES).to(gl.int32)
             stage = gl.where(stage == STAGES, 0, stage)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)
+    async_copy.wait_group(0)
     if PDL:
         _grid_dependency(_RELEASE_ASM)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
 
 
 @gluon.jit
@@ -297,12 +316,13 @@ class DecodeFp8Config:
     warps_n: int  # warpgroups along the tokens: 1 or 2
     programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
     dependent_launch: bool  # the three kernels as programmatic dependents, the GEMM starting early
+    max_registers: int | None = None  # ptxas register cap a thread (None: the compiler's choice)
 
 
-#: The build of each token block: (stages, warps_m, warps_n), and the programs one SM holds of it
-#: (registers and shared memory of the sm_90a build under triton 3.6, K = 2 and 3;
+#: The build of each token block: (stages, warps_m, warps_n, register cap), and the programs one SM
+#: holds of it (registers and shared memory of the sm_90a build under triton 3.6, K = 2 and 3;
 #: tests/test_decode_fp8.py checks the table against the compiler). Measured: note at the end.
-BUILDS = {64: (3, 4, 1), 128: (2, 4, 1), 256: (3, 8, 2)}
+BUILDS = {64: (3, 4, 1, None), 128: (2, 4, 1, 168), 256: (3, 8, 2, None)}
 PROGRAMS_PER_SM = {64: 4, 128: 3, 256: 1}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
@@ -334,30 +354,38 @@ def config_with_block(qw: QuantizedWeight, m: int, block_tokens: int | None,
 @functools.lru_cache(maxsize=4096)
 def _config(np_: int, kp: int, m: int, block_tokens: int | None, device: torch.device | None) -> DecodeFp8Config:
     block_tokens = rule_block(m) if block_tokens is None else block_tokens
-    stages, warps_m, warps_n = BUILDS[block_tokens]
+    stages, warps_m, warps_n, cap = BUILDS[block_tokens]
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
     steps = np_ // (16 * warps_m) * (kp // BLOCK_K)
     slots = PROGRAMS_PER_SM[block_tokens] * sms
     programs = max(1, min(steps // MIN_STEPS, triton.cdiv(slots, triton.cdiv(m, block_tokens))))
     return DecodeFp8Config(block_tokens=block_tokens, stages=stages, warps_m=warps_m, warps_n=warps_n,
-                           programs=programs, dependent_launch=device is None or dependent_launch_supported(device))
+                           programs=programs, dependent_launch=device is None or dependent_launch_supported(device),
+                           max_registers=cap)
 
 
 def gemm_source(bits: int, block_tokens: int, pdl: bool = True):
     """The GEMM kernel in the rule's build of ``block_tokens`` (BUILDS), specialized as a launch
     specializes it, for ``triton.compile`` off the GPU (the tests' sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    stages, wm, wn = BUILDS[block_tokens]
-    sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
-           "w_desc": f"tensordesc<i32[{2 * wm}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
+    stages, wm, wn, _ = BUILDS[block_tokens]
+    sig = {"x_ptr": "*fp8e4nv", "words_ptr": "*i32", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "WM": "constexpr",
-           "WN": "constexpr", "A_SMEM": "constexpr", "PDL": "constexpr"}
+           "WN": "constexpr", "A_SMEM": "constexpr", "X_SMEM": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_fp8_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "WM": wm, "WN": wn,
-                                      "A_SMEM": a_smem_layout(16 * wm), "PDL": pdl},
-                          attrs={(2,): [["tt.divisibility", 16]]})
+                                      "A_SMEM": a_smem_layout(16 * wm),
+                                      "X_SMEM": x_smem_layout(block_tokens), "PDL": pdl},
+                          attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]],
+                                 (2,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]]})
+
+
+def compile_options(block_tokens: int, pdl: bool = True) -> dict:
+    """``triton.compile`` options of ``gemm_source(bits, block_tokens, pdl)`` as a launch sets them."""
+    _, wm, wn, cap = BUILDS[block_tokens]
+    return {"num_warps": wm * wn, "launch_pdl": pdl, **({"maxnreg": cap} if cap else {})}
 
 
 def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config | None = None,
@@ -414,12 +442,11 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
     counts = device_constant(("segments", programs, tiles, nkb, frags), xq.device,
                              lambda: segment_counts(programs, tiles, nkb, frags, xq.device))
     ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
-    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).descs[frags], ws, m, np_, nkb, tiles * nkb, programs,
+    prepare(_decode_fp8_kernel, grid, xq, _packed(qw).words, ws, m, np_, nkb, tiles * nkb, programs,
             slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, WM=cfg.warps_m, WN=cfg.warps_n,
-            A_SMEM=a_smem_layout(16 * cfg.warps_m), PDL=cfg.dependent_launch, num_warps=cfg.warps_m * cfg.warps_n,
-            launch_pdl=cfg.dependent_launch)
+            A_SMEM=a_smem_layout(16 * cfg.warps_m), X_SMEM=x_smem_layout(cfg.block_tokens), PDL=cfg.dependent_launch,
+            num_warps=cfg.warps_m * cfg.warps_n, launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts
 
 # -- Why the configuration is what it is ---------------------------------------------------------
