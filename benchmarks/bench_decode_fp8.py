@@ -12,9 +12,10 @@ scales, operands already e4m3: its activation quantization is not timed); escha.
 (decode_fp8 itself from 129 to 512 tokens);
 the fp16 register-operand kernel (decode_wgmma's rule); the plain-core dequantize-once path
 (dequant-core-fp8); decode_fp8's rule, and above 128 tokens its blocks of 128 (``fp8_bn128``).
-With ``--previous FILE`` (an earlier escha/kernels/decode_fp8.py, e.g. from ``git show``), that
-version's rule is one more arm (``fp8_prev``), gated as the others: a change measured against what
-it replaces in one process.
+With ``--previous FILE[,FILE...]`` (earlier versions of escha/kernels/decode_fp8.py, e.g. from
+``git show REV:...`` saved as decode_fp8_REV.py), each version's rule is one more arm
+(``fp8@REV``, the file name's last ``_`` field), gated as the others: a change measured against
+what it replaces in one process.
 """
 from __future__ import annotations
 
@@ -71,9 +72,9 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
 
 
 def load_previous(path: str):
-    """An earlier decode_fp8.py as the module ``escha.kernels._decode_fp8_previous`` (its relative
-    imports resolve against today's package)."""
-    name = "escha.kernels._decode_fp8_previous"
+    """An earlier decode_fp8.py as a module of ``escha.kernels`` (its relative imports resolve
+    against today's package)."""
+    name = "escha.kernels._decode_fp8_" + os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -88,9 +89,10 @@ def main() -> int:
     ap.add_argument("--ms", default="64,128,192,256,384,512,640,768,1024")
     ap.add_argument("--shapes", default="gate_up,down,down_8b")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3))
-    ap.add_argument("--previous", help="an earlier decode_fp8.py, timed as the arm fp8_prev")
+    ap.add_argument("--previous", help="earlier decode_fp8.py files, comma-separated, each timed as an arm fp8@REV")
     args = ap.parse_args()
-    prev = load_previous(args.previous) if args.previous else None
+    previous = {"fp8@" + os.path.splitext(os.path.basename(f))[0].rsplit("_", 1)[-1]: load_previous(f)
+                for f in (args.previous.split(",") if args.previous else [])}
     os.makedirs(args.out, exist_ok=True)
 
     def log(s: str) -> None:
@@ -136,15 +138,14 @@ def main() -> int:
                     "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i]), len(ws)),
                     "core_fp8": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),
                 }
-                if prev is not None:
-                    cp = prev.decode_fp8_config(ws[0], m, torch.device("cuda"))
-                    y = prev.decode_fp8(xs[0], ws[0], config=cp)
-                    e_prev = rel_err(y, xs[0].double() @ w_ref.T)
-                    point["err_fp8_prev"] = e_prev
+                for label, mod in previous.items():
+                    cp = mod.decode_fp8_config(ws[0], m, torch.device("cuda"))
+                    e_prev = rel_err(mod.decode_fp8(xs[0], ws[0], config=cp), xs[0].double() @ w_ref.T)
+                    point[f"err_{label}"] = e_prev
                     if e_prev <= FP8_TOL:
-                        arms["fp8_prev"] = (lambda i, c=cp: prev.decode_fp8(xs[i % 2], ws[i], config=c), len(ws))
+                        arms[label] = (lambda i, c=cp, mod=mod: mod.decode_fp8(xs[i % 2], ws[i], config=c), len(ws))
                     else:
-                        log(f"GATE FAIL {name} M={m} fp8_prev: call {e_prev:.3e}")
+                        log(f"GATE FAIL {name} M={m} {label}: call {e_prev:.3e}")
                 for label, c in configs.items():
                     e_call, e_part = gate_point(ws[0], w_ref, m, c)
                     point[f"err_{label}"], point[f"err_partials_{label}"] = e_call, e_part

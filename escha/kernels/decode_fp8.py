@@ -35,12 +35,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..format.codec import decode_trellis
 from ..format.qweight import QuantizedWeight
@@ -73,7 +74,7 @@ from .decode_wgmma import (
     segment_counts,
 )
 from .transforms import hadamard_output, prepare_input
-from .triton_compat import cta_barrier
+from .triton_compat import cta_barrier, tma_async_load
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
 
@@ -152,32 +153,17 @@ def _step_words(words_ptr, tile, kb, NKB, ok, NW: gl.constexpr, R2: gl.constexpr
 
 
 @gluon.jit
-def _copy_activations(x_smem, x_ptr, row0, kb, M, KP, ok, BN: gl.constexpr, NW: gl.constexpr):
-    """cp.async of the activation tile x'_q[row0 : row0 + BN, 128 kb : 128 kb + 128] into
-    ``x_smem`` (16 bytes a copy; rows past M, or all of it where not ``ok``, as zeros), as one
-    commit group of this thread."""
-    XL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
-                                        order=[1, 0])
-    rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, XL))
-    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
-    ptrs = x_ptr + rows[:, None].to(gl.int64) * KP + cols[None, :]
-    async_copy.async_copy_global_to_shared(x_smem, ptrs, mask=(rows[:, None] < M) & ok)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _decode_fp8_kernel(x_ptr, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
+def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WM: gl.constexpr,
-                       WN: gl.constexpr, A_SMEM: gl.constexpr, X_SMEM: gl.constexpr, PDL: gl.constexpr):
+                       WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
     e4m3(64 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
     split and output). Each step's words come from global memory into registers two steps ahead,
-    its activation tile by cp.async into a ring of STAGES; the warps decode the tile's e4m3
-    weights into one of two shared buffers, and the wgmma reads both operands from shared memory,
-    asynchronously: step i's decode runs while step i - 1's MMAs do. Two CTA barriers a step and
-    no mbarrier. WM warps split the tile's rows, WN its tokens (each warpgroup's MMA takes BN /
-    WN of them); every warp decodes 16 / WN rows. With PDL it fetches its first words while the
+    its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3 weights into one of two shared buffers, and the
+    wgmma reads both operands from shared memory, asynchronously: step i's decode runs while step
+    i - 1's MMAs do. WM warps split the tile's rows, WN its tokens (each warpgroup's MMA takes BN
+    / WN of them); every warp decodes 16 / WN rows. With PDL it fetches its first words while the
     input transform runs, then waits for x', and releases the output transform after its loop."""
     p = gl.program_id(0)
     tb = gl.program_id(1)
@@ -186,7 +172,6 @@ def _decode_fp8_kernel(x_ptr, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     NW: gl.constexpr = WM * WN
     ROWS: gl.constexpr = 16 * WM
     R2: gl.constexpr = 2 // WN  # 8-row groups a warp decodes
-    KP = NKB * 128
 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WN],
                                                   instr_shape=[16, BN // WN, 32])
@@ -196,26 +181,33 @@ def _decode_fp8_kernel(x_ptr, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, R2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0])
 
-    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], X_SMEM)
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], x_desc.layout)
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, ROWS, 128], A_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
 
     row0 = tb * BN
+    nbytes: gl.constexpr = x_desc.block_type.nbytes
     tile = s0 // NKB
     kb = s0 - tile * NKB
     w_now = _step_words(words_ptr, tile, kb, NKB, n > 0, NW, R2, WL)
-    t_in, kb_in = _next_step(tile, kb, NKB)
-    w_next = _step_words(words_ptr, t_in, kb_in, NKB, n > 1, NW, R2, WL)
-    t_in, kb_in = _next_step(t_in, kb_in, NKB)  # the next words to fetch: step 2
+    t_w, kb_w = _next_step(tile, kb, NKB)
+    w_next = _step_words(words_ptr, t_w, kb_w, NKB, n > 1, NW, R2, WL)
+    t_w, kb_w = _next_step(t_w, kb_w, NKB)  # the next words to fetch: step 2
     if PDL:
         _grid_dependency(_WAIT_ASM)
-    t_x = tile
-    kb_x = kb
+    t_in = tile
+    kb_in = kb
     for i in gl.static_range(STAGES):
-        _copy_activations(x_smem.index(i), x_ptr, row0, kb_x, M, KP, i < n, BN, NW)
-        t_x, kb_x = _next_step(t_x, kb_x, NKB)
+        mbarrier.expect(bars.index(i), nbytes, pred=i < n)
+        tma_async_load(x_desc, [row0, kb_in * 128], bars.index(i), x_smem.index(i), pred=i < n)
+        t_in, kb_in = _next_step(t_in, kb_in, NKB)
 
     acc = gl.zeros([ROWS, BN], dtype=gl.float32, layout=MMA)
     stage = 0
+    phase = 0
     ab = 0
     i = 0
     # One inner loop a row tile: the accumulator is in flight over the inner loop's back edge only
@@ -225,15 +217,11 @@ def _decode_fp8_kernel(x_ptr, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         for kb in range(k0, gl.minimum(s0 + n - tile * NKB, NKB)):
             w = w_now
             w_now = w_next
-            w_next = _step_words(words_ptr, t_in, kb_in, NKB, i + 2 < n, NW, R2, WL)
-            t_in, kb_in = _next_step(t_in, kb_in, NKB)
+            w_next = _step_words(words_ptr, t_w, kb_w, NKB, i + 2 < n, NW, R2, WL)
+            t_w, kb_w = _next_step(t_w, kb_w, NKB)
             a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))
             fence_async_shared()
-            # This thread's copies of step i's activations have landed (the ring keeps STAGES - 2
-            # younger groups in flight); past the barrier, everyone's have, and the decoded tile.
-            async_copy.wait_group(STAGES - 2)
-            cta_barrier()
-            fence_async_shared()
+            mbarrier.wait(bars.index(stage), phase)
             acc = warpgroup_mma(a_smem.index(ab), x_smem.index(stage).permute((1, 0)), acc, use_acc=kb != k0,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -242,17 +230,21 @@ def _decode_fp8_kernel(x_ptr, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             cta_barrier()
             if i >= 1:  # refill the stage of step i - 1 with step i - 1 + STAGES
                 rs = gl.where(stage == 0, STAGES - 1, stage - 1)
-                _copy_activations(x_smem.index(rs), x_ptr, row0, kb_x, M, KP, i - 1 + STAGES < n, BN, NW)
-                t_x, kb_x = _next_step(t_x, kb_x, NKB)
+                j = i - 1 + STAGES
+                mbarrier.expect(bars.index(rs), nbytes, pred=j < n)
+                tma_async_load(x_desc, [row0, kb_in * 128], bars.index(rs), x_smem.index(rs), pred=j < n)
+                t_in, kb_in = _next_step(t_in, kb_in, NKB)
             i += 1
             ab ^= 1
             stage += 1
+            phase ^= (stage == STAGES).to(gl.int32)
             stage = gl.where(stage == STAGES, 0, stage)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)
-    async_copy.wait_group(0)
     if PDL:
         _grid_dependency(_RELEASE_ASM)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
 
 
 @gluon.jit
@@ -370,16 +362,15 @@ def gemm_source(bits: int, block_tokens: int, pdl: bool = True):
     specializes it, for ``triton.compile`` off the GPU (the tests' sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     stages, wm, wn, _ = BUILDS[block_tokens]
-    sig = {"x_ptr": "*fp8e4nv", "words_ptr": "*i32", "ws_ptr": "*fp32",
+    sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
+           "words_ptr": "*i32", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "WM": "constexpr",
-           "WN": "constexpr", "A_SMEM": "constexpr", "X_SMEM": "constexpr", "PDL": "constexpr"}
+           "WN": "constexpr", "A_SMEM": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_fp8_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "WM": wm, "WN": wn,
-                                      "A_SMEM": a_smem_layout(16 * wm),
-                                      "X_SMEM": x_smem_layout(block_tokens), "PDL": pdl},
-                          attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]],
-                                 (2,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]]})
+                                      "A_SMEM": a_smem_layout(16 * wm), "PDL": pdl},
+                          attrs={(1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
 
 
 def compile_options(block_tokens: int, pdl: bool = True) -> dict:
@@ -442,10 +433,11 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
     counts = device_constant(("segments", programs, tiles, nkb, frags), xq.device,
                              lambda: segment_counts(programs, tiles, nkb, frags, xq.device))
     ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
+    x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    prepare(_decode_fp8_kernel, grid, xq, _packed(qw).words, ws, m, np_, nkb, tiles * nkb, programs,
+    prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).words, ws, m, np_, nkb, tiles * nkb, programs,
             slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, WM=cfg.warps_m, WN=cfg.warps_n,
-            A_SMEM=a_smem_layout(16 * cfg.warps_m), X_SMEM=x_smem_layout(cfg.block_tokens), PDL=cfg.dependent_launch,
+            A_SMEM=a_smem_layout(16 * cfg.warps_m), PDL=cfg.dependent_launch,
             num_warps=cfg.warps_m * cfg.warps_n, launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts
 
