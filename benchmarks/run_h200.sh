@@ -58,6 +58,8 @@
 #                  tests, then bench_decode_fp8.py at FP8_MS (default 128-512 tokens) with
 #                  FP8_PREVIOUS (an earlier decode_fp8.py, e.g. `git show REV:escha/kernels/decode_fp8.py`,
 #                  in an ignored folder the device call carries) as the arm fp8_prev.
+# PHASE "fp8-check": compute-sanitizer memcheck and racecheck of decode_fp8 at every token block's
+#                  build, then bench_decode_fp8.py at FP8_MS (default 32-128 tokens) at K = 2 and 3.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
 #                  memcheck and racecheck over benchmarks/results/k3_cap/sanitize.py, then
 #                  bench_decode_wgmma.py --variants --bits 3 at 8-64 tokens on three shapes (the
@@ -213,6 +215,15 @@ case "$phase" in
     step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py tests/test_dispatch.py
     step bench_fp8 330 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8" --rounds 3 \
       --ms "${FP8_MS:-128,192,256,384,512}" ${FP8_PREVIOUS:+--previous "$FP8_PREVIOUS"}
+    ;;
+  fp8-check)
+    step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \
+      ESCHA_SANITIZER_TOOLS=memcheck benchmarks/run_sanitizer.sh "$out/sanitizer_memcheck_fp8.txt"
+    step racecheck_fp8 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \
+      ESCHA_SANITIZER_TOOLS=racecheck benchmarks/run_sanitizer.sh "$out/sanitizer_racecheck_fp8.txt"
+    step bench_fp8 120 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8" --rounds 3 --ms "${FP8_MS:-32,48,64,96,128}"
+    step bench_fp8_k3 60 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8_k3" --rounds 3 --bits 3 \
+      --ms "${FP8_MS:-32,48,64,96,128}" --shapes gate_up,down
     ;;
   fp8)
     step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py tests/test_dispatch.py
