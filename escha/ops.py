@@ -161,20 +161,26 @@ class DispatchRule:
     benchmarks/fit_dispatch.py on the H200's dense sweep (benchmarks/results/sweep_h200_v3/
     fit_dispatch.md: every escha path at 20 M from 1 to 8192 on both seed shapes): the
     register-operand decode kernel was fastest up to 128 tokens, the plain-core form from 192 to
-    2048 and the folded form from 4096; the fused prefill kernel never was the fastest, so it
+    2048 and the folded form from 4096; since then the fp8 decode GEMM, its activations by TMA and
+    its words straight into registers, beats the register-operand kernel from 96 tokens (13-22%
+    on three shapes at 96 and 128, K = 2 and 3) and loses to it at 32-64 (3-13%), so
+    decode_max_m is 64 (benchmarks/results/decode_fp8/h200_fdcb84e, docs/KERNELS.md "Decode on
+    the fp8 tensor cores"); the fused prefill kernel never was the fastest, so it
     stays selectable only (path="prefill", or a rule with a larger dequant_min_m). Any
     core_m_per_kblock from 31 to 51 chose the faster form at every point of the sweep before
     (sweep_h200_v2), and the same forms won at every point of this one; 48 (from
     benchmarks/results/prefill_h200_v6, where gate_up at 2048 = 51 rows a block was level).
     """
 
-    decode_max_m: int = 128
-    dequant_min_m: int = 129
+    decode_max_m: int = 64
+    dequant_min_m: int = 65
     core_m_per_kblock: int = 48
     #: decode_fp8 from dequant_min_m to here: its blocks of up to 256 tokens decode each weight
     #: once, and it was 27-36% faster than the plain-core form at 192 and 256 tokens on three
-    #: shapes; from 384 (two blocks, each weight decoded twice) it lost or drew on two of three
-    #: (benchmarks/results/decode_fp8/h200_ad4f7ce, docs/KERNELS.md "Decode on the fp8 tensor cores").
+    #: shapes and 13-22% faster than the register-operand decode kernel at 96 and 128; from 384
+    #: (two blocks, each weight decoded twice) it lost or drew on two of three
+    #: (benchmarks/results/decode_fp8/h200_ad4f7ce, h200_fdcb84e, docs/KERNELS.md "Decode on the
+    #: fp8 tensor cores").
     fp8_decode_max_m: int = 256
 
     def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:

@@ -182,24 +182,25 @@ def test_ptx_fp8_mma_from_shared_memory_in_flight(builds, bits, bn):
     assert len(re.findall(r"mul(?:\.rn)?\.f16x2", step)) == 32 // wn
     assert step.rindex("stmatrix") < step.index("fence.proxy.async") < step.index("wgmma.mma_async")
     assert ptx.count("wgmma.wait_group.sync.aligned 1") == 1 and ptx.count("wgmma.wait_group.sync.aligned 0") == 1
-    # Two CTA barriers a step and no mbarrier: the words come straight into registers (one 16-byte
-    # load a row group), the activations by cp.async, whose wait sits right before the first
-    # barrier (else Triton adds one); the second frees the step's buffers for the refill.
-    stages = df.BUILDS[bn][0]
-    assert "mbarrier" not in ptx and "ld.shared" not in step
+    # The words come straight into registers (one 16-byte load a row group, two steps ahead), not
+    # through shared memory; three CTA barriers a step (were five with the words' TMA ring): one
+    # before the activations' mbarrier wait (it also orders the decoded tile before the MMAs), one
+    # after the MMA wait (the step's buffers free), one between the refill's expect and its copy.
+    assert "ld.shared" not in step and len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == df.BUILDS[bn][0] + 1
     assert len(re.findall(r"ld\.global\.v4\.b32", step)) == 2 // wn
     assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == 3 * (2 // wn)
-    loop = ptx[ptx.index("stmatrix"):ptx.index("cp.async.commit_group", ptx.index("wgmma.wait_group.sync.aligned 1"))]
-    assert loop.count("bar.sync") == 2
-    assert re.search(rf"cp\.async\.wait_group\s+{stages - 2};(\s+(//.*|\.loc.*|\$L\w+:))*\s+bar\.sync", loop)
+    start = ptx.index("stmatrix")
+    loop = ptx[start:ptx.index("cp.async.bulk.tensor", start)]
+    assert loop.count("bar.sync") == 3
+    assert re.search(r"bar\.sync\s+0;(\s+(//.*|\.loc.*|\$L\w+:|mov.*|\{|\}|\.reg.*|waitLoop:))*\s+mbarrier\.try_wait", loop)
     sass = _sass(cubin, f"{bits}_{bn}")
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 1
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 1
     # Dependent launch: the wait for x' once, after the first word loads and before any activation
     # copy; the release once, after the loop.
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
-    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait") < ptx.index("cp.async.cg")
-    assert ptx.rindex("cp.async.cg") < ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
+    assert ptx.rindex("cp.async.bulk.tensor") < ptx.index("griddepcontrol.launch_dependents")
 
 
 @pytest.mark.parametrize("bits", [2, 3])

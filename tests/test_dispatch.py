@@ -20,8 +20,8 @@ K_GATE_UP, K_DOWN = 5120, 8704  # the seed shapes' in_features: 40 and 68 blocks
 
 
 @pytest.mark.parametrize("m,k,want", [(1, K_GATE_UP, KernelPath.DECODE), (64, K_GATE_UP, KernelPath.DECODE),
-                                      (128, K_GATE_UP, KernelPath.DECODE),
-                                      (129, K_GATE_UP, KernelPath.DECODE_FP8),
+                                      (65, K_GATE_UP, KernelPath.DECODE_FP8),
+                                      (128, K_GATE_UP, KernelPath.DECODE_FP8),
                                       (256, K_GATE_UP, KernelPath.DECODE_FP8),
                                       (257, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
                                       (48 * 40, K_GATE_UP, KernelPath.DEQUANT_CORE_FP8),
@@ -89,14 +89,14 @@ def test_resolve_path_on_device(monkeypatch):
     qw = QuantizedWeight.placeholder((256, 512), 2, device=dev)
     # Kernels run here (CUDA, or CPU under the interpreter that this module switched on).
     wgmma = dispatch_table()[KernelPath.DECODE_WGMMA].available(dev, 2, 8, True)
-    # 65..128 tokens: the register-operand kernel; without it, past the portable kernel's 64
-    # tokens, dequantize-once (the plain-core form: 4 blocks of inputs serve up to 192 rows).
-    for m in (65, 128):
-        assert resolve_path(m, qw) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DEQUANT_CORE_FP8)
-    # 129..256 tokens: the fp8 decode GEMM where it runs (the same devices and K), else dequantize-once.
+    # 65..256 tokens: the fp8 decode GEMM where it runs (the register-operand kernel's devices and
+    # K); without it, past the portable kernel's 64 tokens, dequantize-once (the plain-core form:
+    # 4 blocks of inputs serve up to 192 rows).
     fp8 = dispatch_table()[KernelPath.DECODE_FP8].available(dev, 2, 129, True)
     assert fp8 == wgmma
-    assert resolve_path(129, qw) == (KernelPath.DECODE_FP8 if fp8 else KernelPath.DEQUANT_CORE_FP8)
+    for m in (65, 128, 129):
+        assert resolve_path(m, qw) == (KernelPath.DECODE_FP8 if fp8 else KernelPath.DEQUANT_CORE_FP8)
+    assert resolve_path(64, qw) == (KernelPath.DECODE_WGMMA if wgmma else KernelPath.DECODE)
     assert resolve_path(193, qw) == (KernelPath.DECODE_FP8 if fp8 else KernelPath.DEQUANT_FP8)
     assert resolve_path(257, qw) == KernelPath.DEQUANT_FP8
     assert resolve_path(200, QuantizedWeight.placeholder((256, 512), 4, device=dev)) == KernelPath.DEQUANT_FP8
@@ -154,7 +154,7 @@ def test_available_paths():
     assert KernelPath.DECODE in available_paths(qw, 64)
     assert set(dispatch_table()) == set(KernelPath)  # every path has an op in the dispatch table
     from escha.kernels.decode import MAX_DECODE_M
-    assert MAX_DECODE_M == dispatch_table()[KernelPath.DECODE].max_m < DEFAULT_RULE.decode_max_m
+    assert MAX_DECODE_M == dispatch_table()[KernelPath.DECODE].max_m <= DEFAULT_RULE.decode_max_m
     # The names are what the benchmark tool accepts as escha-<path> arms.
     assert [make_arm(f"escha-{p}").name for p in paths] == [f"escha-{p.value}" for p in paths]
 

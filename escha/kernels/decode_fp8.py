@@ -2,9 +2,9 @@
 
     z^T [16 WM weight rows, tokens] += e4m3(64 T_blk) [16 WM, 128] @ x'_q^T [128, tokens]
 
-The register-operand decode kernel's words (``decode_wgmma.pack_words``), even split of (row tile,
-k-block) steps over one wave of programs, TMA ring and fp32 partials for
-``transforms.hadamard_output``; but the decoded weights are scaled by 64 and rounded to e4m3 (as
+The register-operand decode kernel's words (``decode_wgmma.pack_words``, here loaded straight into
+registers two steps ahead), even split of (row tile, k-block) steps over one wave of programs, TMA
+ring for the activations and fp32 partials for ``transforms.hadamard_output``; but the decoded weights are scaled by 64 and rounded to e4m3 (as
 the dequantize-once core, ``dequant.dequantize_core``: |64 T| < 256, a power of two, no
 saturation), stored to shared memory (``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3``
 with both operands from shared memory, issued asynchronously: the next step's decode runs while
@@ -12,8 +12,8 @@ this step's MMAs do. The activations are e4m3 (the input transform's ``fp8`` for
 power of two per token, |x' 2**e| <= 2**8). Half the tensor-core time and half the activation
 bytes of the fp16 kernel, at the fp8 paths' accuracy (docs/KERNELS.md, Prefill, "Accuracy"), and
 token blocks up to 256 (each weight decoded once up to 256 tokens): ``escha.matmul``'s path from
-129 to 256 tokens on Hopper (``DispatchRule.fp8_decode_max_m``), where the fp16 kernel's MMAs,
-waited for each step, cost as much as its decode.
+65 to 256 tokens on Hopper (``DispatchRule.decode_max_m``, ``fp8_decode_max_m``), where the fp16
+kernel's MMAs, waited for each step, cost as much as its decode.
 
 Layout. The MMA's k order inside a 128-block is ours (``transforms.prepare_input(..., fp8=True)``
 stores x' the same way); it is the order the decode produces, in which a thread owns tiles 2t and
@@ -160,9 +160,11 @@ def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
     e4m3(64 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
     split and output). Each step's words come from global memory into registers two steps ahead,
-    its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3 weights into one of two shared buffers, and the
-    wgmma reads both operands from shared memory, asynchronously: step i's decode runs while step
-    i - 1's MMAs do. WM warps split the tile's rows, WN its tokens (each warpgroup's MMA takes BN
+    its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3 weights
+    into one of two shared buffers, and the wgmma reads both operands from shared memory,
+    asynchronously: step i's decode runs while step i - 1's MMAs do. Three CTA barriers a step:
+    before the activations' wait (which also orders the decoded tile before the MMAs), after the
+    MMA wait, and the one Triton puts between the refill's expect and its copy. WM warps split the tile's rows, WN its tokens (each warpgroup's MMA takes BN
     / WN of them); every warp decodes 16 / WN rows. With PDL it fetches its first words while the
     input transform runs, then waits for x', and releases the output transform after its loop."""
     p = gl.program_id(0)
@@ -465,3 +467,13 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
 # A tile's store sits after an inner loop over the tile's steps: inside the step loop it made
 # ptxas wait for every step's MMAs at the loop's end (ncu: 7% of samples on that wait; the SASS
 # test checks that the build has one wait for all MMAs).
+# The words straight into registers (two steps ahead, 16-byte loads), not by TMA through shared
+# memory (results/decode_fp8/h200_e1f0c99, one process beside the earlier file): 5 -> 3 CTA
+# barriers a step; blocks of 128 (4 warps) 8-9% faster (gate_up / down / 8B down at 128 tokens
+# 56.3 / 34.0 / 41.1 us against 61.6 / 36.5 / 44.6), blocks of 256 level (within 2%). The
+# activations by cp.async as well (no mbarrier, 2 barriers a step; 86080f2) were 1-9% slower than
+# either: the barriers are not what bounds the 256-token build. The 128-token build needs the cap
+# of 168 registers to keep three programs an SM (171-183 without, by release and K).
+# With it the fp8 GEMM beats the fp16 kernel from 96 tokens (13-22% at 96 and 128 on three
+# shapes, K = 2 and 3) and loses at 32-64 (3-13%): DispatchRule.decode_max_m = 64
+# (results/decode_fp8/h200_fdcb84e).
