@@ -114,7 +114,7 @@ case "$phase" in
   system)
     ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4
     for shape in gate_up down; do
-      step "bench_decode_$shape" 270 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 \
+      step "bench_decode_$shape" 285 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 \
         --shapes "$shape" --out "$out/bench_decode_$shape"
     done
     ;;
