@@ -163,7 +163,7 @@ class DispatchRule:
     register-operand decode kernel was fastest up to 128 tokens, the plain-core form from 192 to
     2048 and the folded form from 4096; since then the fp8 decode GEMM, its activations by TMA and
     its words straight into registers, beats the register-operand kernel from 96 tokens (13-22%
-    on three shapes at 96 and 128, K = 2 and 3) and loses to it at 32-64 (3-13%), so
+    on three shapes at 96 and 128, K = 2 and 3) and loses to it at 32-64 (3-14%), so
     decode_max_m is 64 (benchmarks/results/decode_fp8/h200_fdcb84e, docs/KERNELS.md "Decode on
     the fp8 tensor cores"); the fused prefill kernel never was the fastest, so it
     stays selectable only (path="prefill", or a rule with a larger dequant_min_m). Any

@@ -475,5 +475,5 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
 # either: the barriers are not what bounds the 256-token build. The 128-token build needs the cap
 # of 168 registers to keep three programs an SM (171-183 without, by release and K).
 # With it the fp8 GEMM beats the fp16 kernel from 96 tokens (13-22% at 96 and 128 on three
-# shapes, K = 2 and 3) and loses at 32-64 (3-13%): DispatchRule.decode_max_m = 64
+# shapes, K = 2 and 3) and loses at 32-64 (3-14%): DispatchRule.decode_max_m = 64
 # (results/decode_fp8/h200_fdcb84e).
