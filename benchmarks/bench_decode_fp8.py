@@ -71,10 +71,15 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     return e_call, float((got - ref).norm() / ref.norm())
 
 
+def revision(path: str) -> str:
+    """REV of a file named decode_fp8_REV.py: the last ``_`` field of its name."""
+    return os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]
+
+
 def load_previous(path: str):
     """An earlier decode_fp8.py as a module of ``escha.kernels`` (its relative imports resolve
     against today's package)."""
-    name = "escha.kernels._decode_fp8_" + os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]
+    name = "escha.kernels._decode_fp8_" + revision(path)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -91,8 +96,7 @@ def main() -> int:
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3))
     ap.add_argument("--previous", help="earlier decode_fp8.py files, comma-separated, each timed as an arm fp8@REV")
     args = ap.parse_args()
-    previous = {"fp8@" + os.path.splitext(os.path.basename(f))[0].rsplit("_", 1)[-1]: load_previous(f)
-                for f in (args.previous.split(",") if args.previous else [])}
+    previous = {"fp8@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
     os.makedirs(args.out, exist_ok=True)
 
     def log(s: str) -> None:

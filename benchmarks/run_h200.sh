@@ -56,8 +56,9 @@
 #                  for more programs an SM, the exact codec's two fragments, the rule before).
 # PHASE "fp8-ab":  a change to decode_fp8 against what it replaces: its and the dispatcher's GPU
 #                  tests, then bench_decode_fp8.py at FP8_MS (default 128-512 tokens) with
-#                  FP8_PREVIOUS (an earlier decode_fp8.py, e.g. `git show REV:escha/kernels/decode_fp8.py`,
-#                  in an ignored folder the device call carries) as the arm fp8_prev.
+#                  FP8_PREVIOUS (earlier decode_fp8.py files, comma-separated, each saved as
+#                  decode_fp8_REV.py from `git show REV:escha/kernels/decode_fp8.py` in an ignored
+#                  folder the device call carries) as the arms fp8@REV.
 # PHASE "fp8-check": compute-sanitizer memcheck and racecheck of decode_fp8 at every token block's
 #                  build, then bench_decode_fp8.py at FP8_MS (default 32-128 tokens) at K = 2 and 3.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer

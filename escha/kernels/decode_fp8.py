@@ -4,9 +4,9 @@
 
 The register-operand decode kernel's words (``decode_wgmma.pack_words``, here loaded straight into
 registers two steps ahead), even split of (row tile, k-block) steps over one wave of programs, TMA
-ring for the activations and fp32 partials for ``transforms.hadamard_output``; but the decoded weights are scaled by 64 and rounded to e4m3 (as
-the dequantize-once core, ``dequant.dequantize_core``: |64 T| < 256, a power of two, no
-saturation), stored to shared memory (``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3``
+ring for the activations and fp32 partials for ``transforms.hadamard_output``; but the decoded
+weights are scaled by 64 and rounded to e4m3 (as the dequantize-once core,
+``dequant.dequantize_core``: |64 T| < 256, a power of two, no saturation), stored to shared memory (``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3``
 with both operands from shared memory, issued asynchronously: the next step's decode runs while
 this step's MMAs do. The activations are e4m3 (the input transform's ``fp8`` form: x' times a
 power of two per token, |x' 2**e| <= 2**8). Half the tensor-core time and half the activation
@@ -164,9 +164,10 @@ def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     into one of two shared buffers, and the wgmma reads both operands from shared memory,
     asynchronously: step i's decode runs while step i - 1's MMAs do. Three CTA barriers a step:
     before the activations' wait (which also orders the decoded tile before the MMAs), after the
-    MMA wait, and the one Triton puts between the refill's expect and its copy. WM warps split the tile's rows, WN its tokens (each warpgroup's MMA takes BN
-    / WN of them); every warp decodes 16 / WN rows. With PDL it fetches its first words while the
-    input transform runs, then waits for x', and releases the output transform after its loop."""
+    MMA wait, and the one Triton puts between the refill's expect and its copy. WM warps split the
+    tile's rows, WN its tokens (each warpgroup's MMA takes BN / WN of them); every warp decodes
+    16 / WN rows. With PDL it fetches its first words while the input transform runs, then waits
+    for x', and releases the output transform after its loop."""
     p = gl.program_id(0)
     tb = gl.program_id(1)
     s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)
@@ -265,9 +266,7 @@ def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr, WN: gl.constex
                                         warps_per_cta=[NW, 1, 1, 1, 1, 1, 1, 1], order=[7, 5, 1, 4, 3, 6, 2, 0])
     OUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
                                          order=[1, 0])
-    w = gl.load(words_ptr + (((nb // 2) * NKB + kb) * 2 + nb % 2).to(gl.int64) * 1024
-                + gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [NW], [0])))
-    w = gl.convert_layout(w.reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]), WL)
+    w = _step_words(words_ptr, nb, kb, NKB, True, NW, R2, WL)  # the GEMM's own load of a 64-row tile's words
     a = gl.convert_layout(_decoded_fp8(w, BITS, L8, 64), OUT)
     rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))
     cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, OUT))
