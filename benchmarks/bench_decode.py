@@ -48,6 +48,24 @@ def env_info() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "clocks_mhz": clk}
 
 
+def revision(path: str) -> str:
+    """REV of an earlier kernel file saved as NAME_REV.py (e.g. decode_fp8_REV.py from ``git show
+    REV:escha/kernels/decode_fp8.py``): the last ``_`` field of its name."""
+    return os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]
+
+
+def load_previous(path: str):
+    """An earlier kernel file as a module of ``escha.kernels`` (its relative imports resolve
+    against today's package): the ``--previous`` arms of bench_decode_fp8 and bench_decode_wgmma."""
+    import importlib.util
+    name = "escha.kernels._" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def weight_set(out_f: int, in_f: int, min_bytes: float, seed: int = 0, bits: int = 2) -> list[QuantizedWeight]:
     """Distinct random K=bits weights on the GPU whose trellis words total >= min_bytes."""
     base = random_qweight(out_f, in_f, bits=bits, seed=seed, device="cuda")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -40,7 +39,7 @@ from escha.kernels.dequant_once import dequant_core_fp8
 from escha.kernels.transforms import prepare_input
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import env_info, weight_set
+from bench_decode import env_info, load_previous, revision, weight_set  # noqa: E402
 from bench_decode_wgmma import SHAPES, rel_err, time_arms
 
 FP8_TOL = 0.077  # tests/test_decode_fp8.py
@@ -69,22 +68,6 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     got = summed_partials(ws, counts)
     ref = xq.double() @ mma_order(reference_core(qw)).double().T
     return e_call, float((got - ref).norm() / ref.norm())
-
-
-def revision(path: str) -> str:
-    """REV of a file named decode_fp8_REV.py: the last ``_`` field of its name."""
-    return os.path.splitext(os.path.basename(path))[0].rsplit("_", 1)[-1]
-
-
-def load_previous(path: str):
-    """An earlier decode_fp8.py as a module of ``escha.kernels`` (its relative imports resolve
-    against today's package)."""
-    name = "escha.kernels._decode_fp8_" + revision(path)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> int:

@@ -1,12 +1,15 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
     python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--bits 2|3]
-        [--shapes gate_up,down] [--variants] [--breakdown]
+        [--shapes gate_up,down] [--variants] [--breakdown] [--previous FILE[,FILE...]]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
 reference codec, the GEMM against an fp64 reference within the decode tolerance table. Timing:
 weights rotated over >= 4x L2, one CUDA graph per arm calling it once per weight, device events,
-rounds interleaved across arms, median over rounds.
+rounds interleaved across arms, median over rounds. With ``--previous`` (earlier versions of
+escha/kernels/decode_wgmma.py, e.g. from ``git show REV:...`` saved as decode_wgmma_REV.py), each
+version's rule is one more arm (``wgmma@REV``), gated as the others: a change measured against
+what it replaces in one process.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decod
 from escha.kernels.transforms import hadamard_input, hadamard_output
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import env_info, weight_set  # noqa: E402
+from bench_decode import env_info, load_previous, revision, weight_set  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336)}
 TOL = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
@@ -137,7 +140,9 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="also time fragments x grid variants")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
+    ap.add_argument("--previous", help="earlier decode_wgmma.py files, comma-separated, each timed as an arm wgmma@REV")
     args = ap.parse_args()
+    previous = {"wgmma@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
     os.makedirs(args.out, exist_ok=True)
 
     def log(s: str) -> None:
@@ -160,6 +165,8 @@ def main() -> int:
         ws = weight_set(out_f, in_f, 4 * l2 / (2 if args.bits == 2 else 4 / 3), seed=len(name), bits=args.bits)
         for w in ws:
             packed_words(w)  # the one-time repack, outside the timed graphs
+            for mod in previous.values():
+                mod.packed_words(w)
         w_ref = dequantize(ws[0]).double()
         dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
                      for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
@@ -183,6 +190,15 @@ def main() -> int:
                     c2 = dataclasses.replace(cfg, dependent_launch=pdl, early_start=early)
                     if c2 != cfg:
                         arms[f"wgmma_{arm}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
+                for label, mod in previous.items():
+                    cp = mod.decode_wgmma_config(ws[0], m)
+                    x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+                    e = rel_err(mod.decode_wgmma(x, ws[0], config=cp), x.double() @ w_ref.T)
+                    point[f"err_{label}"] = e
+                    if e <= TOL[torch.bfloat16]:
+                        arms[label] = (lambda i, c=cp, mod=mod: mod.decode_wgmma(xs[i % 2], ws[i], config=c), len(ws))
+                    else:
+                        log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
                 if m <= 64:
                     arms["portable"] = (lambda i: decode(xs[i % 2], ws[i]), len(ws))
                 if args.breakdown:

@@ -59,6 +59,12 @@
 #                  FP8_PREVIOUS (earlier decode_fp8.py files, comma-separated, each saved as
 #                  decode_fp8_REV.py from `git show REV:escha/kernels/decode_fp8.py` in an ignored
 #                  folder the device call carries) as the arms fp8@REV.
+# PHASE "wgmma-ab": a change to decode_wgmma against what it replaces: its GPU tests (and the fp8
+#                  kernel's fragment test, which shares its word load), bench_decode_wgmma.py at
+#                  WGMMA_MS (default 1-128 tokens, K=2) with WGMMA_PREVIOUS (earlier decode_wgmma.py
+#                  files saved as decode_wgmma_REV.py in an ignored folder the call carries) as
+#                  the arms wgmma@REV, memcheck and racecheck of its builds at 1-64 tokens, then
+#                  K=3 at 8-64 tokens.
 # PHASE "fp8-check": compute-sanitizer memcheck and racecheck of decode_fp8 at every token block's
 #                  build, then bench_decode_fp8.py at FP8_MS (default 32-128 tokens) at K = 2 and 3.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
@@ -77,7 +83,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -216,6 +222,16 @@ case "$phase" in
     step gpu_tests_fp8 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py tests/test_dispatch.py
     step bench_fp8 330 python benchmarks/bench_decode_fp8.py --out "$out/bench_fp8" --rounds 3 \
       --ms "${FP8_MS:-128,192,256,384,512}" ${FP8_PREVIOUS:+--previous "$FP8_PREVIOUS"}
+    ;;
+  wgmma-ab)
+    step gpu_tests_wgmma 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_wgmma.py \
+      tests/test_decode_fp8.py -k "wgmma or fragment"
+    step bench_wgmma 230 python benchmarks/bench_decode_wgmma.py --out "$out/bench_wgmma" --rounds 3 \
+      --ms "${WGMMA_MS:-1,8,16,32,64,128}" --shapes gate_up,down ${WGMMA_PREVIOUS:+--previous "$WGMMA_PREVIOUS"}
+    step sanitizer_wgmma 110 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-wgmma \
+      ESCHA_SANITIZER_MS=1,7,16,33,64 benchmarks/run_sanitizer.sh "$out/sanitizer_wgmma.txt"
+    step bench_wgmma_k3 100 python benchmarks/bench_decode_wgmma.py --out "$out/bench_wgmma_k3" --rounds 3 --bits 3 \
+      --ms 8,16,32,64 --shapes gate_up,down ${WGMMA_PREVIOUS:+--previous "$WGMMA_PREVIOUS"}
     ;;
   fp8-check)
     step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \
