@@ -33,7 +33,8 @@
 #                  rows of results/tune_h200/ came from LLM_CONFIGS=bits3-tune256,bits2-tune256,bits3-tune768).
 # PHASE "sweep":   the dense M sweep of every escha path beside cuBLAS, one step per shape
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
-#                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py).
+#                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py; SWEEP_SPLITK=0
+#                  leaves it out). SWEEP_SECONDS (default 240) limits each shape's step.
 # PHASE "e2e":     the prefill benchmark (bench_prefill.py), then end-to-end decode, Qwen3-14B-
 #                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
 #                  escha-unshared, with a profiled step per batch; and one prompt of 512, 2048 and 8192
@@ -165,13 +166,13 @@ case "$phase" in
       --no-generate --merge --out "$out/llm_h200_kjv.json"
     ;;
   sweep)
-    ARMS=escha,escha-decode,escha-decode-wgmma,escha-prefill,escha-dequant-core-fp8,escha-dequant-fp8,torch-bf16,torch-fp8
+    ARMS=escha,escha-decode,escha-decode-wgmma,escha-decode-fp8,escha-prefill,escha-dequant-core-fp8,escha-dequant-fp8,torch-bf16,torch-fp8
     MS=1,2,4,8,16,24,32,48,64,96,128,192,256,384,512,768,1024,2048,4096,8192
     results=()
     IFS=, read -ra shapes <<< "${SWEEP_SHAPES:-gate_up,down}"
     for shape in "${shapes[@]}"; do
       name=${shape%%x*}
-      step "sweep_$name" 200 python -m escha.cli bench --arms "$ARMS" --m "$MS" --shapes "$shape" \
+      step "sweep_$name" "${SWEEP_SECONDS:-240}" python -m escha.cli bench --arms "$ARMS" --m "$MS" --shapes "$shape" \
         --out "$out/sweep_$name"
       f="$out/sweep_$name/results.json"
       [ -f "$f" ] || f="$out/sweep_$name/results.partial.json"  # a step cut by its limit keeps its points
@@ -179,7 +180,7 @@ case "$phase" in
     done
     step fit_dispatch 30 python benchmarks/fit_dispatch.py "${results[@]}" --out "$out/fit_dispatch.md" \
       --json "$out/fit_dispatch.json"
-    step splitk_wgmma 150 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
+    [ "${SWEEP_SPLITK:-1}" = 0 ] || step splitk_wgmma 150 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
     ;;
   e2e)
     step prefill 100 python benchmarks/bench_prefill.py --out "$out/prefill"

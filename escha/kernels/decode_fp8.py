@@ -68,7 +68,7 @@ from .decode_wgmma import (
     _packed,
     _pair_values,
     _state_values,
-    _step_words,
+    _word_row,
     permute_blocks,
     runs_on,
     segment_counts,
@@ -136,6 +136,20 @@ def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.
     rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
     base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
     gl.store(base + tok[None, :] * Np + rows[:, None], acc, mask=tok[None, :] < M - row0)
+
+
+@gluon.jit
+def _step_words(words_ptr, tile, kb, NKB, ok, NW: gl.constexpr, R2: gl.constexpr, WL: gl.constexpr):
+    """The words of step (tile, kb) in the decode's layout WL, straight from global memory (the
+    rows of ``_word_row``: each thread's four words of a row group are one 16-byte run, each warp's
+    load 512 contiguous bytes); zeros where not ``ok``."""
+    FRAGS: gl.constexpr = NW * R2 // 8
+    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[NW, 1, 1], order=[2, 1, 0])
+    offs = (_iota(NW, 0, 3, L3) * (R2 * 128) + _iota(R2, 1, 3, L3) * 128 + _iota(128, 2, 3, L3))
+    base = words_ptr + _word_row(tile, kb, NKB, FRAGS).to(gl.int64) * 128
+    w = gl.load(base + offs, mask=(offs >= 0) & ok, other=0)
+    return gl.convert_layout(w.reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]), WL, assert_trivial=True)
 
 
 @gluon.jit

@@ -29,9 +29,8 @@ fragment. Its weight is the unrounded lo + hi, within half an fp16 ulp of the co
 tolerance table's 2**-11 weight term); dequantize stays bit-exact.
 
 Words are repacked once per weight (``pack_words``: 64 bits per tile row, 2x the trellis at
-K = 2, 1.33x at K = 3) so that a thread's words are two 16-byte loads a fragment, which go
-straight from global memory into its registers two steps ahead of their use (no shared memory,
-no barrier); TMA brings each step's activation tile, STAGES steps ahead.
+K = 2, 1.33x at K = 3) so that a thread's words are two 16-byte shared-memory loads; TMA brings
+each step's words with its activation tile, STAGES steps ahead of their use.
 
 Work: the programs of a token block share its row tiles x k-blocks evenly (one wave, or whole
 waves, of the programs the SMs hold), each a contiguous run of steps that may cross tiles.
@@ -60,7 +59,7 @@ from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
                      device_constant, interpreted, output_tensor, prepare)
 from .transforms import input_columns, prepare_input, prepare_output
-from .triton_compat import tma_async_load
+from .triton_compat import smem_reinterpret, tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
 BLOCK_K = HAD_BLOCK  # k per loop step: one Hadamard block, 8 tiles
@@ -68,6 +67,8 @@ FRAGMENT_WORDS = FRAGMENT_ROWS * BLOCK_K // 8  # 64-bit row windows: 2 words per
 MAX_TOKENS = 128  # tokens per program in the rule (wgmma N; the kernel runs up to 256)
 HOPPER_SMS = 132  # SMs of an H100 SXM / H200, for the rule when no device is given
 SUPPORTED_BITS = (2, 3)  # the row window holds every state of a row for K <= 3
+# A fragment's words as TMA moves them: [8, 128] int32, unswizzled (each thread reads 16-byte runs).
+WORDS_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 @functools.cache
@@ -117,13 +118,16 @@ def pack_words(qw: QuantizedWeight) -> torch.Tensor:
 
 
 class _Packed:
-    """What decode_wgmma keeps per weight: the repacked words and the prepared launches of each
-    (x layout, settings) it has run (``_launch``)."""
+    """What decode_wgmma keeps per weight: the repacked words, their TMA descriptor, and the
+    prepared launches of each (x layout, settings) it has run (``_launch``)."""
 
-    __slots__ = ("words", "plans")
+    __slots__ = ("words", "descs", "plans")
 
     def __init__(self, words: torch.Tensor) -> None:
         self.words = words
+        # One TMA box a step: a tile's fragments are 8 consecutive rows each (pack_words' order).
+        self.descs = {f: TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8 * f, BLOCK_K], WORDS_SMEM_LAYOUT)
+                      for f in (1, 2)}
         self.plans: dict[tuple, tuple[int, Prepared, Prepared, Prepared]] = {}
 
 
@@ -339,18 +343,10 @@ def _word_row(tile, kb, NKB, FRAGS: gl.constexpr):
 
 
 @gluon.jit
-def _step_words(words_ptr, tile, kb, NKB, ok, NW: gl.constexpr, R2: gl.constexpr, WL: gl.constexpr):
-    """The words of step (tile, kb) in the decode's layout WL, straight from global memory (the
-    rows of ``_word_row`` for tiles of NW R2 / 8 fragments: each thread's four words of a row
-    group are one 16-byte run, each warp's load 512 contiguous bytes); zeros where not ``ok``.
-    Fragment f of a two-fragment tile r is the one-fragment tile 2 r + f."""
-    FRAGS: gl.constexpr = NW * R2 // 8
-    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
-                                        warps_per_cta=[NW, 1, 1], order=[2, 1, 0])
-    offs = (_iota(NW, 0, 3, L3) * (R2 * 128) + _iota(R2, 1, 3, L3) * 128 + _iota(128, 2, 3, L3))
-    base = words_ptr + _word_row(tile, kb, NKB, FRAGS).to(gl.int64) * 128
-    w = gl.load(base + offs, mask=(offs >= 0) & ok, other=0)
-    return gl.convert_layout(w.reshape([NW, R2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]), WL, assert_trivial=True)
+def _fragment_words(w_smem, index, WL: gl.constexpr):
+    """A fragment's words of a step, from shared-memory block ``index``: [warp * 2 + row half,
+    (g, t, tile half, hi/lo)] viewed as WL's [warp, row half, g, tile half, t, hi/lo]."""
+    return w_smem.index(index).reshape([4, 2, 8, 4, 2, 2]).permute([0, 1, 2, 4, 3, 5]).load(WL)
 
 
 @gluon.jit
@@ -402,7 +398,7 @@ def _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, ro
 
 
 @gluon.jit
-def _decode_wgmma_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
+def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
                          HALVES: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
@@ -415,19 +411,18 @@ def _decode_wgmma_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     partials [segments, M, Np], and the output transform sums each tile's segments in fixed
     order (``segment_counts``): bitwise reproducible.
 
-    Each step's words come from global memory straight into the registers of the threads that
-    decode them, two steps ahead of their use (``_step_words``: two 16-byte loads a thread and
-    fragment); its activation tile x' [BN, 128] arrives by TMA on the stage's mbarrier, STAGES
-    steps ahead, across tile boundaries, so the loop never waits on global memory. The loop
-    carries its (tile, k-block), the words' and the refill's, and its ring stage and phase, as
+    Each step's activation tile x' [BN, 128] and its words [8 FRAGS, 128] (the FRAGS fragments'
+    blocks are consecutive rows of pack_words: one box) arrive by TMA on one mbarrier, STAGES
+    steps ahead of their use, across tile boundaries, so the loop never waits on global memory.
+    The loop carries its (tile, k-block) and the refill's, and its ring stage and phase, as
     counters: no division by NKB inside it. With FRAGS = 2 the warpgroup decodes two 64-row
     fragments per step against the same activation tile (the second decode overlaps the first
     fragment's MMA). With HALVES each fragment takes two A operands (the halves of columns s and
     s + 8) against the two copies of x' (two activation tiles a step).
 
     With PDL (programmatic dependent launch) the program starts while the input transform runs:
-    it loads its first two steps' words, which no kernel writes, then waits for x'. It releases
-    the output transform after its loop.
+    it fetches its first STAGES word blocks, which no kernel writes, then waits for x'. It
+    releases the output transform after its loop.
     """
     p = gl.program_id(0)
     tb = gl.program_id(1)
@@ -441,34 +436,34 @@ def _decode_wgmma_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
 
     NX: gl.constexpr = 2 if HALVES else 1  # activation tiles [BN, 128] a step (halves: x' twice)
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NX, BN, 128], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * FRAGS, 8, 128], w_desc.layout)
+    # The same bytes as TMA fills them, one [8 FRAGS, 128] box a stage (unswizzled: row-major).
+    W_SMEM: gl.constexpr = w_desc.layout
+    w_box = smem_reinterpret(w_smem, gl.int32, [STAGES, 8 * FRAGS, 128], W_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
 
     row0 = tb * BN
-    nbytes: gl.constexpr = NX * x_desc.block_type.nbytes
+    nbytes: gl.constexpr = NX * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     tile = s0 // NKB  # the step being read, as (tile, k-block); then advanced without dividing
     kb = s0 - tile * NKB
-    # Fragment f of tile r holds the words of the one-fragment tile FRAGS r + f (_step_words).
-    w0_now = _step_words(words_ptr, tile * FRAGS, kb, NKB, n > 0, 4, 2, WL)
-    if FRAGS == 2:
-        w1_now = _step_words(words_ptr, tile * 2 + 1, kb, NKB, n > 0, 4, 2, WL)
-    t_w, kb_w = _next_step(tile, kb, NKB)
-    w0_next = _step_words(words_ptr, t_w * FRAGS, kb_w, NKB, n > 1, 4, 2, WL)
-    if FRAGS == 2:
-        w1_next = _step_words(words_ptr, t_w * 2 + 1, kb_w, NKB, n > 1, 4, 2, WL)
-    t_w, kb_w = _next_step(t_w, kb_w, NKB)  # the next words to load: step 2
-    if PDL:
-        _grid_dependency(_WAIT_ASM)
-    t_in = tile  # the step being fetched (the activations need its k-block only)
+    t_in = tile  # the step being fetched
     kb_in = kb
     for i in gl.static_range(STAGES):
         mbarrier.expect(bars.index(i), nbytes, pred=i < n)
-        for hx in gl.static_range(NX):
-            tma_async_load(x_desc, [row0, (kb_in * NX + hx) * 128], bars.index(i), x_smem.index(i * NX + hx),
-                           pred=i < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
+    if PDL:
+        _grid_dependency(_WAIT_ASM)
+    t_x = tile  # the activations' k-blocks follow the words' (the tile is not needed)
+    kb_x = kb
+    for i in gl.static_range(STAGES):
+        for hx in gl.static_range(NX):
+            tma_async_load(x_desc, [row0, (kb_x * NX + hx) * 128], bars.index(i), x_smem.index(i * NX + hx),
+                           pred=i < n)
+        t_x, kb_x = _next_step(t_x, kb_x, NKB)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
@@ -476,11 +471,9 @@ def _decode_wgmma_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     phase = 0
     for i in range(n):
         carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
-        w0 = w0_now
-        if FRAGS == 2:
-            w1 = w1_now
         xs = x_smem.index(stage * NX).permute((1, 0))
         mbarrier.wait(bars.index(stage), phase)
+        w0 = _fragment_words(w_smem, stage * FRAGS, WL)
         if HALVES:
             xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
             a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT)
@@ -490,7 +483,7 @@ def _decode_wgmma_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             # pushed the build to 231 registers and a hundred more moves a step (offline census).
             acc0, a0, b0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0))
             if FRAGS == 2:
-                a1, b1 = _decode_halves(w1, BITS, L7, A_LAYOUT)
+                a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
                 acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
                 acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
                 acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
@@ -498,24 +491,19 @@ def _decode_wgmma_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
             acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
             if FRAGS == 2:
-                a1 = _decode_fragment(w1, BITS, L7, A_LAYOUT)
+                a1 = _decode_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
                 acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
                 acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
             else:
                 acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
-        # The words of step i + 2, loaded once this step's decode is done (its registers free).
-        w0_now = w0_next
-        w0_next = _step_words(words_ptr, t_w * FRAGS, kb_w, NKB, i + 2 < n, 4, 2, WL)
-        if FRAGS == 2:
-            w1_now = w1_next
-            w1_next = _step_words(words_ptr, t_w * 2 + 1, kb_w, NKB, i + 2 < n, 4, 2, WL)
-        t_w, kb_w = _next_step(t_w, kb_w, NKB)
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
         for hx in gl.static_range(NX):
             tma_async_load(x_desc, [row0, (kb_in * NX + hx) * 128], bars.index(stage), x_smem.index(stage * NX + hx),
                            pred=j < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
+                       pred=j < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
         if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
             _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, FRAGS, MMA)
@@ -539,7 +527,10 @@ def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     L7: gl.constexpr = FRAGMENT_LAYOUT
-    w = _step_words(words_ptr, nb, kb, NKB, True, 4, 2, WORDS_LAYOUT)  # the GEMM's own load of the fragment
+    WL: gl.constexpr = WORDS_LAYOUT
+    off = (((_iota(4, 0, 6, WL) * 2 + _iota(2, 1, 6, WL)) * 32 + _iota(8, 2, 6, WL) * 4 + _iota(4, 4, 6, WL)) * 4
+           + _iota(2, 3, 6, WL) * 2 + _iota(2, 5, 6, WL))
+    w = gl.load(words_ptr + (((nb // 2) * NKB + kb) * 2 + nb % 2).to(gl.int64) * 1024 + off)
     a = _decode_fragment(w, BITS, L7, A_LAYOUT)
     rows = nb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, A_LAYOUT))
     cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, A_LAYOUT))
@@ -591,13 +582,9 @@ class DecodeWgmmaConfig:
 MEASURED_TRITON = (3, 6)
 PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
                    (3, 8): 5, (3, 16): 4, (3, 32): 4, (3, 64): 4, (3, 128): 2}
-#: ptxas's register cap where the rule sets one, by (K, token block), so that the wave holds
-#: PROGRAMS_PER_SM (offline sm_90a builds under Triton 3.6, cuobjdump): with the words carried in
-#: registers two steps ahead, the two-fragment builds at 16-32 tokens take 132-173 registers
-#: uncapped (2-3 programs an SM) and capped at 128 spill 8-64 bytes a thread (4 an SM); K=3's
-#: halves build at 8 tokens 98 (4 an SM), capped at 96 8 bytes (5); K=3's 64-token build 143
-#: (3), capped at 128 none (4).
-REGISTER_CAPS = {(2, 16): 128, (2, 32): 128, (3, 8): 96, (3, 16): 128, (3, 32): 128, (3, 64): 128}
+#: ptxas's register cap where the rule sets one, by (K, token block): K=3's 32- and 64-token builds
+#: take 137 and 165 registers uncapped (3 programs an SM) and 128 capped, without spills (4 an SM).
+REGISTER_CAPS = {(3, 32): 128, (3, 64): 128}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
 
@@ -610,8 +597,9 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     """The rule: tokens padded to a power of two >= 8 (at most 128 per program); at K=2 and 8
     tokens the halves codec with one fragment (64 rows) per program, else two fragments (128
     rows) up to 32 tokens and one above; an activation ring 3 deep, 2 at 64 tokens so that 4
-    programs fit an SM (``rule_variant``), and the register caps that keep 4-5 programs an SM
-    (``register_cap``); one wave of programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the token blocks, each program at least
+    programs fit an SM (``rule_variant``), and at K=3 and 32-64 tokens a cap of 128 registers
+    for 4 (``register_cap``); one wave of programs, as many as the SMs
+    hold at once (PROGRAMS_PER_SM), shared among the token blocks, each program at least
     MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
     GEMM starting early (as the input transform starts). Measured on the H200 (note at the end
     of this module)."""
@@ -641,18 +629,18 @@ def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
 def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True,
                 halves: bool = False):
     """The GEMM kernel specialized as a launch with these settings specializes it (16-byte
-    aligned words and partials), for ``triton.compile`` on a machine without a GPU (the tests' and the
+    aligned partials), for ``triton.compile`` on a machine without a GPU (the tests' and the
     census's sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"x_desc": f"tensordesc<fp16[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
-           "words_ptr": "*i32", "ws_ptr": "*fp32",
+           "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr",
            "HALVES": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_wgmma_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
                                       "HALVES": halves, "PDL": pdl},
-                          attrs={(1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
+                          attrs={(2,): [["tt.divisibility", 16]]})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -800,7 +788,7 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     ws = torch.empty((segs, m, np_), dtype=torch.float32, device=xq.device)
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    args = (x_desc, packed.words, ws, m, np_, nkb, tiles * nkb, programs)
+    args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
                     HALVES=cfg.halves, PDL=cfg.dependent_launch, num_warps=4,
                     launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
