@@ -169,7 +169,12 @@ class DispatchRule:
     stays selectable only (path="prefill", or a rule with a larger dequant_min_m). Any
     core_m_per_kblock from 31 to 51 chose the faster form at every point of the sweep before
     (sweep_h200_v2), and the same forms won at every point of this one; 48 (from
-    benchmarks/results/prefill_h200_v6, where gate_up at 2048 = 51 rows a block was level).
+    benchmarks/results/prefill_h200_v6, where gate_up at 2048 = 51 rows a block was level). The
+    fourth sweep (benchmarks/results/sweep_h200_v4/ and sweep_h200_v4_families/: four shapes of
+    three model families, decode-fp8 among the paths) fits these thresholds on the two other
+    families, and on the seed shapes departs from them only at down's 512 tokens; the rule loses
+    at most 4.5% to the fastest path there but on two down projections at 384-768 tokens
+    (docs/KERNELS.md, "Dispatcher").
     """
 
     decode_max_m: int = 64
