@@ -12,7 +12,11 @@ of one loop step (the folded one) by opcode, converts them to instructions and i
 operations per weight (a warp instruction serves 32 lanes), and sets the integer floor
 (weights x integer ops per weight / (64 a clock per SM x 132 SMs x 1.98 GHz), as
 ``census_share.py`` does) against the H200 times of the kernels' ``part-`` arms in a committed
-bench_prefill run (median over its M): how far each kernel is above its floor.
+bench_prefill run (median over its M): how far each kernel is above its floor. Beside it the
+memory floor: the bytes a kernel must move (the trellis words read, one e4m3 byte a weight
+written) at the device-to-device copy rate (read + write) that ``escha bench`` measured on the
+same GPU (``copy_bw_bytes_per_s`` of a committed results.json); the larger of the two floors
+binds.
 """
 from __future__ import annotations
 
@@ -87,6 +91,19 @@ def census(entry: dict) -> dict:
             "counts": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
 
 
+def moved_bytes(n: int, k: int, bits: int = 2) -> int:
+    """Bytes a dequantize-once kernel moves for an [n, k] weight: its trellis words read (``bits``
+    a weight) and its e4m3 core written (one byte a weight)."""
+    return n * k * bits // 8 + n * k
+
+
+def copy_rate(path: str) -> float:
+    """The device-to-device copy rate (bytes read + written a second) an ``escha bench`` results
+    file measured."""
+    with open(path) as f:
+        return float(json.load(f)["meta"]["copy_bw_bytes_per_s"])
+
+
 def measured(path: str, plain_arm: str) -> dict[tuple[str, str], float]:
     """Median over M of each kernel's part arm's µs per shape, from a bench_prefill results file."""
     with open(path) as f:
@@ -108,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain-arm", default="part-dequant-core-fp8-bn128w4",
                     help="the arm that ran the plain kernel at today's rule (128 x 128, 4 warps): in "
                          "prefill_h200_v6 a variant arm; part-dequant-core-fp8 in runs after it")
+    ap.add_argument("--copy-rate-from", default=os.path.join(ROOT, "benchmarks", "results", "sweep_h200_v4",
+                                                             "sweep_gate_up", "results.json"),
+                    help="an escha bench results.json whose meta has the GPU's copy rate (the memory floor's)")
     args = ap.parse_args(argv)
+    rate = copy_rate(args.copy_rate_from)
     sass = compile_sass()
     kernels = {name: census(entry) for name, entry in sass.items()}
     times = measured(args.prefill, args.plain_arm)
@@ -116,26 +137,34 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in kernels.items():
         for shape, (n, k) in SHAPES.items():
             floor_us = n * k * c["int_ops_per_weight"] / (INT_PER_CLOCK * SMS * CLOCK_HZ) * 1e6
+            memory_us = moved_bytes(n, k) / rate * 1e6
             us = times.get((name, shape))
-            points.append({"kernel": name, "shape": shape, "floor_us": floor_us, "measured_us": us,
-                           "ratio": None if us is None else us / floor_us})
+            points.append({"kernel": name, "shape": shape, "floor_us": floor_us, "memory_floor_us": memory_us,
+                           "measured_us": us, "ratio": None if us is None else us / floor_us,
+                           "memory_ratio": None if us is None else us / memory_us})
     doc = {"prefill_results": os.path.relpath(args.prefill, ROOT), "sms": SMS, "int_per_clock": INT_PER_CLOCK,
-           "clock_hz": CLOCK_HZ, "int_ops": list(INT_OPS), "kernels": kernels, "points": points}
+           "clock_hz": CLOCK_HZ, "int_ops": list(INT_OPS), "copy_rate_from": os.path.relpath(args.copy_rate_from, ROOT),
+           "copy_bytes_per_s": rate, "kernels": kernels, "points": points}
     lines = ["# Dequantize-once kernels: SASS census and the integer floor", "",
              f"sm_90a SASS (offline `triton.compile`), K = 2, e4m3 output, PTX codec, the rules' configurations; "
              f"times: median over M of `{args.plain_arm}` (plain) and `part-dequant-fp8` (folded) in "
              f"`{doc['prefill_results']}` (H200). Floor: "
-             f"weights x integer ops a weight / ({INT_PER_CLOCK} a clock x {SMS} SMs x {CLOCK_HZ / 1e9:.2f} GHz).", "",
+             f"weights x integer ops a weight / ({INT_PER_CLOCK} a clock x {SMS} SMs x {CLOCK_HZ / 1e9:.2f} GHz). "
+             f"Memory floor: trellis words read and e4m3 core written (K = 2: 1.25 bytes a weight) at the copy "
+             f"rate {rate / 1e12:.2f} TB/s (read + write) of `{doc['copy_rate_from']}`.", "",
              "| kernel | scope | instructions / weight | integer ops / weight | top opcodes |", "|---|---|---|---|---|"]
     for name, c in kernels.items():
         top = ", ".join(f"{op} {v}" for op, v in list(c["counts"].items())[:6])
         lines.append(f"| {name} {c['config']} | {c['scope']} ({c['weights']} weights) | "
                      f"{c['instructions_per_weight']:.2f} | {c['int_ops_per_weight']:.2f} | {top} |")
-    lines += ["", "| kernel | shape | integer floor (µs) | measured (µs) | measured / floor |", "|---|---|---|---|---|"]
+    lines += ["", "| kernel | shape | integer floor (µs) | memory floor (µs) | measured (µs) | measured / integer "
+              "floor | measured / memory floor |", "|---|---|---|---|---|---|---|"]
     for p in points:
         m = "–" if p["measured_us"] is None else f"{p['measured_us']:.1f}"
         r = "–" if p["ratio"] is None else f"{p['ratio']:.2f}x"
-        lines.append(f"| {p['kernel']} | {p['shape']} | {p['floor_us']:.1f} | {m} | {r} |")
+        rm = "–" if p["memory_ratio"] is None else f"{p['memory_ratio']:.2f}x"
+        lines.append(f"| {p['kernel']} | {p['shape']} | {p['floor_us']:.1f} | {p['memory_floor_us']:.1f} | {m} | {r} "
+                     f"| {rm} |")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(doc, f, indent=1)

@@ -758,6 +758,11 @@ def test_census_dequant_counts_a_program_and_reads_the_part_arms(tmp_path):
     path = tmp_path / "prefill.json"
     path.write_text(json.dumps({"rows": rows}))
     assert cd.measured(str(path), "part-x") == {("plain", "gate_up"): 20.0, ("folded", "down"): 5.0}
+    # The memory floor's bytes: a K=2 weight's words (a quarter byte a weight) and its e4m3 core.
+    assert cd.moved_bytes(128, 256) == 128 * 256 // 4 + 128 * 256 and cd.moved_bytes(16, 16, bits=3) == 96 + 256
+    bench = tmp_path / "results.json"
+    bench.write_text(json.dumps({"meta": {"copy_bw_bytes_per_s": 2.5e12}, "rows": []}))
+    assert cd.copy_rate(str(bench)) == 2.5e12
 
 
 def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
