@@ -31,16 +31,16 @@ import torch
 import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
-from escha.format import dequantize, random_qweight
+from escha.format import random_qweight
 from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
                                       mma_order, reference_core)
-from escha.kernels.decode_wgmma import decode_wgmma, packed_words, summed_partials
+from escha.kernels.decode_wgmma import decode_wgmma, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
 from escha.kernels.transforms import prepare_input
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import env_info, load_previous, revision, weight_set  # noqa: E402
-from bench_decode_wgmma import SHAPES, rel_err, time_arms
+from bench_decode import load_previous, revision  # noqa: E402
+from bench_decode_wgmma import SHAPES, packed_weights, rel_err, start_run, time_arms  # noqa: E402
 
 FP8_TOL = 0.077  # tests/test_decode_fp8.py
 PARTIALS_TOL = 2.0**-8  # tests/test_decode_fp8.py
@@ -80,30 +80,12 @@ def main() -> int:
     ap.add_argument("--previous", help="earlier decode_fp8.py files, comma-separated, each timed as an arm fp8@REV")
     args = ap.parse_args()
     previous = {"fp8@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
-    os.makedirs(args.out, exist_ok=True)
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        with open(os.path.join(args.out, "decode_fp8.log"), "a") as f:
-            f.write(s + "\n")
-
-    env = env_info()
-    log(json.dumps(env))
-    results = {"env": env, "gates": {}, "points": []}
-    try:
-        results["gates"]["fragments"] = gate_fragments(log)
-    except Exception:
-        log(traceback.format_exc())
+    log, results = start_run(args.out, "decode_fp8.log", gate_fragments)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     timer = GraphTimer(replays=10)
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
-        ws = weight_set(out_f, in_f, 4 * l2 / (2 if args.bits == 2 else 4 / 3), seed=len(name), bits=args.bits)
-        for w in ws:
-            packed_words(w)
-        w_ref = dequantize(ws[0]).double()
-        dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
+        ws, w_ref, dense_rot = packed_weights(name, args.bits, l2, {})
         fp8_rot = [w.to(torch.float8_e4m3fn) for w in dense_rot[:max(2, rotation_buffers(l2, out_f * in_f))]]
         wscale = torch.ones(out_f, device="cuda")
         for m in [int(v) for v in args.ms.split(",")]:

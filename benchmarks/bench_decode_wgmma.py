@@ -130,6 +130,43 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     return {k: v for k, v in out.items() if v != cfg}
 
 
+def start_run(out: str, log_name: str, gate) -> tuple:
+    """The output folder, a logger that prints and appends to ``out/log_name``, and the results
+    dict with the environment and the fragments gate (``gate(log)``) recorded: what the decode
+    benchmarks do before their first point."""
+    os.makedirs(out, exist_ok=True)
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        with open(os.path.join(out, log_name), "a") as f:
+            f.write(s + "\n")
+
+    env = env_info()
+    log(json.dumps(env))
+    results = {"env": env, "gates": {}, "points": []}
+    try:
+        results["gates"]["fragments"] = gate(log)
+    except Exception:
+        log(traceback.format_exc())
+    return log, results
+
+
+def packed_weights(name: str, bits: int, l2: int, previous: dict) -> tuple:
+    """The rotation set of a shape's K=bits weights (>= 4x L2 of packed words, which are 2x the
+    trellis at K=2 and 4/3 of it at K=3), repacked outside the timed graphs for today's kernel and
+    each ``previous`` module, the first weight's fp64 dequantization, and bf16 weights rotated
+    past L2 for cuBLAS."""
+    out_f, in_f = SHAPES[name]
+    ws = weight_set(out_f, in_f, 4 * l2 / (2 if bits == 2 else 4 / 3), seed=len(name), bits=bits)
+    for w in ws:
+        packed_words(w)
+        for mod in previous.values():
+            mod.packed_words(w)
+    dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
+    return ws, dequantize(ws[0]).double(), dense_rot
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -143,33 +180,12 @@ def main() -> int:
     ap.add_argument("--previous", help="earlier decode_wgmma.py files, comma-separated, each timed as an arm wgmma@REV")
     args = ap.parse_args()
     previous = {"wgmma@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
-    os.makedirs(args.out, exist_ok=True)
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        with open(os.path.join(args.out, "decode_wgmma.log"), "a") as f:
-            f.write(s + "\n")
-
-    env = env_info()
-    log(json.dumps(env))
-    results = {"env": env, "gates": {}, "points": []}
-    try:
-        results["gates"]["fragments"] = gate_fragments(log)
-    except Exception:
-        log(traceback.format_exc())
+    log, results = start_run(args.out, "decode_wgmma.log", gate_fragments)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     timer = GraphTimer(replays=10)
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
-        # >= 4x L2 of packed words, which are 2x the trellis at K=2 and 4/3 of it at K=3
-        ws = weight_set(out_f, in_f, 4 * l2 / (2 if args.bits == 2 else 4 / 3), seed=len(name), bits=args.bits)
-        for w in ws:
-            packed_words(w)  # the one-time repack, outside the timed graphs
-            for mod in previous.values():
-                mod.packed_words(w)
-        w_ref = dequantize(ws[0]).double()
-        dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
+        ws, w_ref, dense_rot = packed_weights(name, args.bits, l2, previous)
         for m in [int(v) for v in args.ms.split(",")]:
             point = {"shape": name, "N": out_f, "K": in_f, "M": m, "bits": args.bits}
             try:
