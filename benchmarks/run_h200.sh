@@ -66,6 +66,9 @@
 #                  files saved as decode_wgmma_REV.py in an ignored folder the call carries) as
 #                  the arms wgmma@REV, memcheck and racecheck of its builds at 1-64 tokens, then
 #                  K=3 at 8-64 tokens.
+# PHASE "overlap": benchmarks/probe_dequant_overlap.py: the plain-core dequantize-once path with its
+#                  weight decoded in row chunks on a second stream beside the chunks' GEMMs, against
+#                  the serial path and cuBLAS, at OVERLAP_MS (default 384-2048 tokens).
 # PHASE "fp8-check": compute-sanitizer memcheck and racecheck of decode_fp8 at every token block's
 #                  build, then bench_decode_fp8.py at FP8_MS (default 32-128 tokens) at K = 2 and 3.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
@@ -84,7 +87,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -233,6 +236,10 @@ case "$phase" in
       ESCHA_SANITIZER_MS=1,7,16,33,64 benchmarks/run_sanitizer.sh "$out/sanitizer_wgmma.txt"
     step bench_wgmma_k3 100 python benchmarks/bench_decode_wgmma.py --out "$out/bench_wgmma_k3" --rounds 3 --bits 3 \
       --ms 8,16,32,64 --shapes gate_up,down ${WGMMA_PREVIOUS:+--previous "$WGMMA_PREVIOUS"}
+    ;;
+  overlap)
+    step probe_overlap 300 python benchmarks/probe_dequant_overlap.py --out "$out/dequant_overlap" \
+      --ms "${OVERLAP_MS:-384,512,768,1024,2048}"
     ;;
   fp8-check)
     step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \

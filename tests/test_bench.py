@@ -765,6 +765,28 @@ def test_census_dequant_counts_a_program_and_reads_the_part_arms(tmp_path):
     assert cd.copy_rate(str(bench)) == 2.5e12
 
 
+def test_dequant_overlap_chunks_are_views_and_give_the_serial_product():
+    """The probe's row chunks are whole 128-row blocks covering the padded rows once, each a weight
+    over views of the stored tensors; the chunked plain-core path (one stream here) gives the
+    serial path's output: the same products, column by column."""
+    from escha.format import random_qweight
+    from escha.kernels.common import FP8_DTYPE
+    from escha.kernels.dequant_once import dequant_core_fp8
+    probe = _script("probe_dequant_overlap")
+    qw = random_qweight(300, 260, bits=2, seed=5)  # Np = 384: three blocks
+    parts = probe.chunk_weights(qw, 2)
+    assert [(r0, r1) for r0, r1, _ in parts] == [(0, 128), (128, 384)]
+    assert [p.out_features for *_, p in parts] == [128, 172] and parts[1][2].padded_shape == (256, 384)
+    assert parts[1][2].trellis.data_ptr() == qw.trellis[8:].data_ptr()  # a view, not a copy
+    assert [(r0, r1) for r0, r1, _ in probe.chunk_weights(qw, 8)] == [(0, 128), (128, 256), (256, 384)]
+    x = torch.randn(5, 260, dtype=torch.bfloat16)
+    scratch = torch.full(qw.padded_shape, float("nan")).to(FP8_DTYPE)
+    inv = torch.full((384,), 1 / 64)
+    got = probe.overlapped(x, qw, probe.chunk_weights(qw, 3), scratch, inv, None)
+    want = dequant_core_fp8(x, qw)
+    assert got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)
+
+
 def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
     """"-kjv" configurations calibrate on the evaluation text outside its windows: every token
     more than 64 from a window, none inside one or its margins."""

@@ -1,0 +1,159 @@
+"""Does the dequantize-once path gain from decoding the weight in row chunks beside its GEMM?
+
+The plain-core path (``dequant_core_fp8``) runs in series: dequantize the whole core into the
+e4m3 scratch (gate_up: 40.9 µs on the H200, at the memory floor of the bytes it moves,
+docs/KERNELS.md "Prefill"), then the fp8 GEMM, then the output pass (Hn, row scales). The GEMM
+itself is not bound by memory at 384-2048 tokens (gate_up at 512 tokens reads its 89 MB e4m3
+weight in 78.5 µs: 1.1 TB/s of the 2.7 TB/s the device copies at), so the decode of the next
+rows could run beside it. This probe splits the weight into C chunks of whole 128-row blocks
+(``chunk_weights``: views of the stored tensors, no copy) and runs each chunk's dequantize on a
+second stream while the chunks before it are multiplied and written out on the calling stream
+(``overlapped``). Same outputs as the serial path within the fp8 table (the GEMM is the same
+product, column by column); nothing in the library changes.
+
+Timing as bench_decode_fp8.py: weights rotated over >= 4x L2, one CUDA graph an arm (both
+streams captured), device events, interleaved rounds, median. Arms: cuBLAS bf16 and fp8
+(row-wise scales, operands already e4m3), escha.matmul's rule, the serial plain-core path, and
+``overlap_C`` for C in --chunks, each gated against fp64 before it is timed.
+
+    python benchmarks/probe_dequant_overlap.py --out DIR [--ms 384,512,768,1024,2048] [--chunks 2,4,8]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+import escha
+from escha.bench.cuda_timing import GraphTimer
+from escha.bench.method import rotation_buffers
+from escha.format import QuantizedWeight, dequantize
+from escha.format.spec import HAD_BLOCK, TILE
+from escha.kernels.actquant import prepare_actquant
+from escha.kernels.common import CORE_FP8_SCALE, FP8_DTYPE
+from escha.kernels.dequant import dequantize_core
+from escha.kernels.dequant_once import dequant_core_fp8, scaled_mm_rowwise
+from escha.kernels.transforms import hadamard_output_dense
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import env_info, weight_set  # noqa: E402
+from bench_decode_wgmma import SHAPES, rel_err, time_arms  # noqa: E402
+
+FP8_TOL = 0.077  # the fp8 paths' bound on the whole call against fp64 (tests/test_decode_fp8.py)
+
+
+def chunk_weights(qw: QuantizedWeight, chunks: int) -> list[tuple[int, int, QuantizedWeight]]:
+    """(first row, end row, weight) of ``chunks`` row ranges of whole 128-row blocks, as even as
+    the blocks allow: each a weight over views of ``qw``'s stored tensors (the trellis' tile
+    rows, su and scale rows; sv and gscale whole), padded like ``qw`` in its last range."""
+    blocks = qw.padded_shape[0] // HAD_BLOCK
+    bounds = sorted({blocks * c // chunks * HAD_BLOCK for c in range(chunks + 1)})
+    parts = []
+    for r0, r1 in itertools.pairwise(bounds):
+        rows = min(r1, qw.out_features) - r0
+        tensors = [qw.trellis[r0 // TILE:r1 // TILE], qw.su[r0:r1], qw.sv, qw.scale[r0:r1], qw.gscale]
+        parts.append((r0, r1, QuantizedWeight.trusted(tensors, (rows, qw.in_features), qw.bits, qw.codebook_id)))
+    return parts
+
+
+def overlapped(x: torch.Tensor, qw: QuantizedWeight, parts: list, scratch: torch.Tensor, inv: torch.Tensor,
+               side: torch.cuda.Stream | None) -> torch.Tensor:
+    """y = x @ W_hat^T by the plain-core path, chunk by chunk: chunk c's dequantize (into its rows
+    of ``scratch``, e4m3 [Np, Kp]) on ``side`` while the calling stream multiplies and writes out
+    the chunks before it; ``inv`` [Np] is the scratch's dequant multiplier (1/64) a row. ``side``
+    None (no GPU): the same work in one stream."""
+    x2d = x.reshape(-1, x.shape[-1])
+    main = torch.cuda.current_stream() if side is not None else None
+    if side is not None:
+        side.wait_stream(main)  # the scratch is free once the calling stream's earlier work is done
+    xq, xscale, _ = prepare_actquant(x2d, qw, True, None, keep=False)
+    y = torch.empty((x2d.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
+    for r0, r1, qc in parts:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            dequantize_core(qc, FP8_DTYPE, out=scratch[r0:r1])
+        if side is not None:
+            main.wait_stream(side)  # this chunk's rows are decoded; the next chunk's decode follows on side
+        z = scaled_mm_rowwise(xq, scratch[r0:r1].t(), xscale, inv[r0:r1])
+        hadamard_output_dense(z, qc, y[:, r0:r0 + qc.out_features])
+    return y.reshape(*x.shape[:-1], qw.out_features)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ms", default="384,512,768,1024,2048")
+    ap.add_argument("--shapes", default="gate_up,down")
+    ap.add_argument("--chunks", default="2,4,8")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        with open(os.path.join(args.out, "dequant_overlap.log"), "a") as f:
+            f.write(s + "\n")
+
+    env = env_info()
+    log(json.dumps(env))
+    results = {"env": env, "points": []}
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    timer = GraphTimer(replays=10)
+    side = torch.cuda.Stream()
+    for name in args.shapes.split(","):
+        out_f, in_f = SHAPES[name]
+        ws = weight_set(out_f, in_f, 4 * l2, seed=len(name), bits=2)
+        w_ref = dequantize(ws[0]).double()
+        scratch = torch.empty(ws[0].padded_shape, dtype=FP8_DTYPE, device="cuda")
+        inv = torch.full((ws[0].padded_shape[0],), 1.0 / CORE_FP8_SCALE.value, device="cuda")
+        parts = {c: [chunk_weights(w, c) for w in ws] for c in (int(v) for v in args.chunks.split(","))}
+        dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
+        fp8_rot = [w.to(torch.float8_e4m3fn) for w in dense_rot[:max(2, rotation_buffers(l2, out_f * in_f))]]
+        wscale = torch.ones(out_f, device="cuda")
+        for m in [int(v) for v in args.ms.split(",")]:
+            point = {"shape": name, "N": out_f, "K": in_f, "M": m, "bits": 2}
+            try:
+                xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                x8 = xs[0].to(torch.float8_e4m3fn)
+                xscale = torch.ones(m, device="cuda")
+                arms = {
+                    "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
+                    "cublas_fp8": (lambda i: torch._scaled_mm(x8, fp8_rot[i % len(fp8_rot)].T, scale_a=xscale[:, None],
+                                                              scale_b=wscale[None, :], out_dtype=torch.bfloat16),
+                                   len(fp8_rot)),
+                    "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
+                    "serial": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),
+                }
+                ref = xs[0].double() @ w_ref.T
+                for c, pc in parts.items():
+                    y = overlapped(xs[0], ws[0], pc[0], scratch, inv, side)
+                    torch.cuda.synchronize()
+                    e = rel_err(y, ref) if torch.isfinite(y).all() else float("nan")
+                    point[f"err_overlap_{c}"] = e
+                    if e <= FP8_TOL:
+                        arms[f"overlap_{c}"] = (lambda i, pc=pc: overlapped(xs[i % 2], ws[i], pc[i], scratch, inv, side),
+                                                len(ws))
+                    else:
+                        log(f"GATE FAIL {name} M={m} overlap_{c}: {e:.3e}")
+                point["err_serial"] = rel_err(dequant_core_fp8(xs[0], ws[0]), ref)
+                med = time_arms(timer, arms, args.rounds)
+                point["us"] = med
+                log(f"{name} M={m:5d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items()))
+            except Exception:
+                log(f"{name} M={m}: " + traceback.format_exc())
+            results["points"].append(point)
+            with open(os.path.join(args.out, "dequant_overlap.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        del ws, w_ref, dense_rot, fp8_rot, scratch, inv, parts
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
