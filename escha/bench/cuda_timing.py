@@ -24,6 +24,7 @@ class GraphSampler:
         self._keep = keep  # outputs allocated in the graph's pool stay valid while it lives
 
     def sample(self) -> float:
+        """One untimed replay, then ``replays`` timed ones: microseconds per call."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         self.graph.replay()  # untimed: settles clocks after the previous arm
@@ -43,6 +44,7 @@ class GraphTimer:
     replays: int = 3
 
     def build(self, fn: Callable[[int], Any], n_buffers: int, label: str) -> GraphSampler:
+        """Warm ``fn`` up on every buffer, capture one graph calling it once per buffer, and sample that."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

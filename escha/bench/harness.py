@@ -18,13 +18,17 @@ from .shapes import Shape
 class Sampler(Protocol):
     """A prepared timing of one candidate: each ``sample()`` is one timing sample, in us per call."""
 
-    def sample(self) -> float: ...
+    def sample(self) -> float:
+        """One timing sample, in microseconds per call."""
+        ...
 
 
 class Timer(Protocol):
     """Prepares a sampler that calls ``fn(i)`` once for each rotation buffer ``i``."""
 
-    def build(self, fn: Callable[[int], Any], n_buffers: int, label: str) -> Sampler: ...
+    def build(self, fn: Callable[[int], Any], n_buffers: int, label: str) -> Sampler:
+        """A sampler calling ``fn(i)`` for i in range(n_buffers); ``label`` names the candidate."""
+        ...
 
 
 class Gate(str, Enum):
@@ -74,6 +78,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        """The arm's name, with the config as ``name[k=v,...]`` when it has one (for logs and timers)."""
         cfg = ",".join(f"{k}={v}" for k, v in self.config.items())
         return f"{self.arm.name}[{cfg}]" if cfg else self.arm.name
 

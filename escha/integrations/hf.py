@@ -62,10 +62,12 @@ class EschaHfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self, safe_serialization: bool | None = None) -> bool:
+        """Always True: transformers may save a loaded model with ``save_pretrained``."""
         return True
 
     @property
     def is_trainable(self) -> bool:
+        """Always False: transformers does not train the loaded model (its quantized weights are buffers)."""
         return False
 
 

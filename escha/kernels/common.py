@@ -191,6 +191,7 @@ class Prepared:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
 
     def run(self, *changed) -> None:
+        """Launch the compiled kernel again with ``changed`` in place of the arguments at ``slots``, in order."""
         values = list(self.values)
         for i, v in zip(self.slots, changed):
             values[i] = v

@@ -97,6 +97,7 @@ class TokenSamples:
 
     @property
     def tokens(self) -> int:
+        """Total tokens over all samples."""
         return sum(s.numel() for s in self.samples)
 
 

@@ -82,6 +82,7 @@ class CheckpointReader:
         raise FileNotFoundError(f"{self.dir} has neither {SINGLE_NAME} nor {INDEX_NAME}{hint}")
 
     def keys(self) -> list[str]:
+        """Every tensor name in the checkpoint, over all its shards."""
         return list(self.key_to_file)
 
     def __contains__(self, key: str) -> bool:

@@ -145,11 +145,13 @@ class HessianCollector:
         return [list(r) for r in self._runs]
 
     def remove(self) -> None:
+        """Detach the hooks and drop the held input; the sums collected so far stay readable."""
         for h in self._handles:
             h.remove()
         self._last_input = None
 
     def hessian(self, name: str) -> torch.Tensor:
+        """H = E[x x^T] over the rows ``name`` has seen; raises ModelError if it saw none."""
         if name not in self.sums:
             raise ModelError(f"{name} saw no inputs during calibration (is it used by the forward pass?)")
         return self.sums[name] / self.count[name]

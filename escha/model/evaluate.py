@@ -56,6 +56,7 @@ class PerplexityResult:
     device: str = "cpu"  # where the model ran
 
     def to_json(self) -> dict:
+        """Every field, as a JSON-serializable dict."""
         return asdict(self)
 
 

@@ -37,6 +37,7 @@ class FakeQuantReport:
 
     @property
     def mean_proxy_rel(self) -> float:
+        """Unweighted mean of ``proxy_rel`` over the Linears, NaNs left out; NaN when none remains."""
         vals = [v for v in self.proxy_rel.values() if v == v]
         return sum(vals) / len(vals) if vals else float("nan")
 

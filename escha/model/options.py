@@ -71,6 +71,7 @@ class QuantizeOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The torch dtype ``dtype`` names; raises ModelError unless it is a floating dtype."""
         dt = getattr(torch, self.dtype, None)
         if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
             raise ModelError(f"dtype must name a torch floating dtype, got {self.dtype!r}")
@@ -117,9 +118,11 @@ class LinearStats:
 
     @property
     def params(self) -> int:
+        """Weights in the Linear: rows x columns."""
         return self.shape[0] * self.shape[1]
 
     def to_json(self) -> dict:
+        """A JSON-serializable dict: per-K maps keyed by str(K), shape as a list (``from_json`` inverts it)."""
         d = asdict(self)
         for k in ("proxy", "proxy_rel", "weight_rel", "storage_bpw"):
             d[k] = {str(b): v for b, v in d[k].items()}

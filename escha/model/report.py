@@ -30,6 +30,7 @@ class QuantizeReport:
 
     @property
     def params(self) -> int:
+        """Weights over all quantized Linears."""
         return sum(s.params for s in self.stats)
 
     @property
@@ -97,6 +98,7 @@ class QuantizeReport:
         return rows
 
     def to_json(self) -> dict:
+        """The report as written to escha_report.json: totals, per-layer rows and per-Linear stats with their K."""
         return {
             "mode": self.mode, "num_layers": self.num_layers, "params": self.params,
             "mean_bits": self.mean_bits, "storage_bpw": self.storage_bpw, "hessian": self.hessian,

@@ -42,19 +42,23 @@ class PartialStore:
             os.replace(tmp, ident_path)
 
     def path(self, key: str) -> str:
+        """The file holding the results of ``key`` (``layer_<i>`` or ``tail``)."""
         return os.path.join(self.dir, f"{key}.safetensors")
 
     def has(self, key: str) -> bool:
+        """Whether the results of ``key`` were saved by an earlier run."""
         return os.path.isfile(self.path(key))
 
     def save(self, key: str, qws: dict[str, dict[int, QuantizedWeight]], raw: dict[str, torch.Tensor],
              stats: list[LinearStats]) -> None:
+        """Write one finished layer: every candidate K of its quantized Linears, its other tensors and its stats."""
         tensors: dict = {f"{name}@k{k}": qw for name, by_k in qws.items() for k, qw in by_k.items()}
         tensors.update(raw)
         save_file(tensors, self.path(key), metadata={STATS_KEY: dumps([s.to_json() for s in stats])})
 
     def load(self, key: str, device: torch.device | str = "cpu"
              ) -> tuple[dict[str, dict[int, QuantizedWeight]], dict[str, torch.Tensor], list[LinearStats]]:
+        """What ``save`` wrote for ``key``, on ``device``: (quantized Linears by name and K, other tensors, stats)."""
         path = self.path(key)
         with safe_open(path, framework="pt") as f:
             meta = (f.metadata() or {}).get(STATS_KEY)
@@ -72,6 +76,7 @@ class PartialStore:
         return qws, raw, stats
 
     def remove(self) -> None:
+        """Delete the partial results, run identity included (once the output is written)."""
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

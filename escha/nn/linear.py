@@ -207,6 +207,7 @@ class HeadNormCache:
         self._value: HeadNorm | None = None
 
     def get(self, layers: list) -> HeadNorm | None:
+        """The HeadNorm of ``layers`` (None when none has a folded norm), kept while the norm weights stay unchanged."""
         norms = [m._output_norm for m in layers]
         if torch.compiler.is_compiling():
             # Traced code cannot key on storage: it builds the norm in the graph (a few small ops).

@@ -27,6 +27,7 @@ class ScaleSearch:
     sample_tiles: int | None = None
 
     def tiles_for(self, device: torch.device) -> int:
+        """How many tiles to sample on ``device``: ``sample_tiles``, or 256 on CUDA and 8 elsewhere when None."""
         if self.sample_tiles is not None:
             return self.sample_tiles
         return 256 if device.type == "cuda" else 8

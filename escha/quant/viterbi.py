@@ -33,6 +33,7 @@ class Trellis:
 
     @property
     def n_states(self) -> int:
+        """2^L states."""
         return 1 << self.state_bits
 
     @property
@@ -42,6 +43,7 @@ class Trellis:
 
     @property
     def overlap_mask(self) -> int:
+        """2^(L-K) - 1: selects the low L-K bits a state shares with its successor's high bits."""
         return self.n_groups - 1
 
     @property

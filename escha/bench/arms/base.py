@@ -64,6 +64,8 @@ class Arm:
         return state
 
     def prepare(self, N: int, K: int, M: int, device: torch.device | str) -> Any:
+        """A new, independent weight set (the state ``run`` takes) for an N x K matrix at M rows on ``device``;
+        raises when the arm cannot run this point, which the harness then skips."""
         raise NotImplementedError
 
     def make_input(self, state: Any, x: torch.Tensor) -> Any:
@@ -71,9 +73,12 @@ class Arm:
         return x
 
     def run(self, state: Any, x: Any) -> torch.Tensor:
+        """The timed call: ``x @ W^T`` [M, N] from ``make_input``'s output and this state's weights."""
         raise NotImplementedError
 
     def reference(self, state: Any, x: Any) -> torch.Tensor:
+        """fp32 ``x @ W_hat^T`` [M, N] from the input ``run`` takes, W_hat this state's dequantized weights;
+        the gate bounds ``run``'s relative error against it."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -84,6 +84,7 @@ class Mxfp4Config:
     group_m: int = 8
 
     def as_dict(self) -> dict[str, int]:
+        """The config as ``Mxfp4Config`` keyword arguments: the form ``configs`` returns and rows report."""
         return dict(block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                     num_warps=self.num_warps, num_stages=self.num_stages, group_m=self.group_m)
 
