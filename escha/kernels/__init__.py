@@ -29,5 +29,5 @@ from .splitk import SplitKRule, decode_split_k
 __all__ = ["ActQuantConfig", "actquant", "actquant_config", "CodecPath", "codec_path", "DecodeConfig",
            "decode", "decode_config", "DecodeWgmmaConfig", "decode_wgmma", "decode_wgmma_config",
            "DecodeFp8Config", "decode_fp8", "decode_fp8_config", "DequantConfig", "dequant_config", "dequantize_core",
-           "DequantOnceConfig", "dequant_bf16", "dequant_core_bf16", "dequant_core_fp8", "dequant_fp8", "dequant_once_config", "PrefillConfig",
-           "prefill", "prefill_config", "SplitKRule", "decode_split_k"]
+           "DequantOnceConfig", "dequant_bf16", "dequant_core_bf16", "dequant_core_fp8", "dequant_fp8",
+           "dequant_once_config", "PrefillConfig", "prefill", "prefill_config", "SplitKRule", "decode_split_k"]

@@ -165,8 +165,8 @@ def prepare_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: 
                      keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
     """``actquant`` of x2d [M, in] (checked by the caller; any strides) and, with ``keep``, its
     launches prepared to run again (``common.Prepared``, slots ``BF16_SLOTS`` or ``ABSMAX_SLOTS``
-    and ``QUANTIZE_SLOTS``), else (or where a launch keeps nothing, ``common.prepare``) None. x2d must have unit column stride for them to apply
-    again: callers key on it."""
+    and ``QUANTIZE_SLOTS``), else (or where a launch keeps nothing, ``common.prepare``) None. x2d
+    must have unit column stride for them to apply again: callers key on it."""
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     m, k = x2d.shape
