@@ -8,13 +8,16 @@ weight in 78.5 µs: 1.1 TB/s of the 2.7 TB/s the device copies at), so the decod
 rows could run beside it. This probe splits the weight into C chunks of whole 128-row blocks
 (``chunk_weights``: views of the stored tensors, no copy) and runs each chunk's dequantize on a
 second stream while the chunks before it are multiplied and written out on the calling stream
-(``overlapped``). Same outputs as the serial path within the fp8 table (the GEMM is the same
-product, column by column); nothing in the library changes.
+(``overlapped``). The folded form (``dequant_fp8``, the rule's from about 48 tokens a 128-input
+block: Hn in the scratch, no output pass) the same way, each chunk's GEMM writing its columns of
+the output in place (``overlapped_folded``). Same outputs as the serial paths within the fp8
+table (the GEMM is the same product, column by column); nothing in the library changes.
 
 Timing as bench_decode_fp8.py: weights rotated over >= 4x L2, one CUDA graph an arm (both
 streams captured), device events, interleaved rounds, median. Arms: cuBLAS bf16 and fp8
-(row-wise scales, operands already e4m3), escha.matmul's rule, the serial plain-core path, and
-``overlap_C`` for C in --chunks, each gated against fp64 before it is timed.
+(row-wise scales, operands already e4m3), escha.matmul's rule, the serial plain-core and folded
+paths, and ``overlap_C``, ``overlap_folded_C`` for C in --chunks, each gated against fp64 before it
+is timed.
 
     python benchmarks/probe_dequant_overlap.py --out DIR [--ms 384,512,768,1024,2048] [--chunks 2,4,8]
 """
@@ -36,9 +39,12 @@ from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, dequantize
 from escha.format.spec import HAD_BLOCK, TILE
 from escha.kernels.actquant import prepare_actquant
+from escha.kernels.codec import CodecPath
 from escha.kernels.common import CORE_FP8_SCALE, FP8_DTYPE
 from escha.kernels.dequant import dequantize_core
-from escha.kernels.dequant_once import dequant_core_fp8, scaled_mm_rowwise
+from escha.kernels.common import HN_FP8_SCALE, dot_dtype, hadamard_operand
+from escha.kernels.dequant_once import (dequant_core_fp8, dequant_fp8, dequant_hn_kernel, dequant_once_config,
+                                        k_per_prog_for, scaled_mm_rowwise)
 from escha.kernels.transforms import hadamard_output_dense
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -84,6 +90,42 @@ def overlapped(x: torch.Tensor, qw: QuantizedWeight, parts: list, scratch: torch
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
+def dequant_hn_rows(qc: QuantizedWeight, w: torch.Tensor, wscale: torch.Tensor) -> None:
+    """``dequant_hn(qc, fp8=True)`` (the rule's configuration and codec) into ``w`` (e4m3 rows of a
+    larger scratch) and ``wscale``, not into the library's shared workspace."""
+    cfg = dequant_once_config(qc, 1, qc.device)
+    np_, kp = qc.padded_shape
+    kb_total = kp // cfg.block_k
+    kpp = k_per_prog_for(kb_total, cfg.k_per_prog)
+    ddt = dot_dtype(torch.float16)
+    h = hadamard_operand(qc.device, ddt, HN_FP8_SCALE.value)
+    dequant_hn_kernel[(np_ // HAD_BLOCK, kb_total // kpp)](
+        qc.trellis, qc.su, qc.scale, qc.gscale, h, w, wscale, w.stride(0), np_, KT=kp // TILE, BITS=qc.bits,
+        BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=True, DOT_DTYPE=ddt, USE_PTX=cfg.codec == CodecPath.PTX,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def overlapped_folded(x: torch.Tensor, qw: QuantizedWeight, parts: list, scratch: torch.Tensor, wscale: torch.Tensor,
+                      y_full: torch.Tensor, side: torch.cuda.Stream) -> torch.Tensor:
+    """The folded form (``dequant_fp8``: Hn and the row scales in the scratch, no output pass)
+    chunk by chunk: chunk c's ``dequant_hn_kernel`` (into its rows of ``scratch`` and ``wscale``)
+    on ``side`` while the calling stream runs the chunks before it, each GEMM writing its columns
+    of ``y_full`` [M, Np] in place (``torch._scaled_mm``'s ``out``). GPU only."""
+    x2d = x.reshape(-1, x.shape[-1])
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    xq, xscale, _ = prepare_actquant(x2d, qw, True, None, keep=False)
+    for r0, r1, qc in parts:
+        with torch.cuda.stream(side):
+            dequant_hn_rows(qc, scratch[r0:r1], wscale[r0:r1])
+        main.wait_stream(side)
+        torch._scaled_mm(xq, scratch[r0:r1].t(), scale_a=xscale[:, None], scale_b=wscale[None, r0:r1],
+                         out_dtype=torch.bfloat16, out=y_full[:, r0:r1])
+    y = y_full[:, :qw.out_features]
+    return (y.to(x.dtype).contiguous() if y.dtype != x.dtype or not y.is_contiguous() else y).reshape(
+        *x.shape[:-1], qw.out_features)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -111,6 +153,7 @@ def main() -> int:
         w_ref = dequantize(ws[0]).double()
         scratch = torch.empty(ws[0].padded_shape, dtype=FP8_DTYPE, device="cuda")
         inv = torch.full((ws[0].padded_shape[0],), 1.0 / CORE_FP8_SCALE.value, device="cuda")
+        wscale_f = torch.empty(ws[0].padded_shape[0], dtype=torch.float32, device="cuda")
         parts = {c: [chunk_weights(w, c) for w in ws] for c in (int(v) for v in args.chunks.split(","))}
         dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
                      for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
@@ -129,6 +172,7 @@ def main() -> int:
                                    len(fp8_rot)),
                     "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
                     "serial": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),
+                    "serial_folded": (lambda i: dequant_fp8(xs[i % 2], ws[i]), len(ws)),
                 }
                 ref = xs[0].double() @ w_ref.T
                 for c, pc in parts.items():
@@ -141,6 +185,22 @@ def main() -> int:
                                                 len(ws))
                     else:
                         log(f"GATE FAIL {name} M={m} overlap_{c}: {e:.3e}")
+                y_full = torch.empty((m, ws[0].padded_shape[0]), dtype=torch.bfloat16, device="cuda")
+                for c, pc in parts.items():
+                    try:
+                        y = overlapped_folded(xs[0], ws[0], pc[0], scratch, wscale_f, y_full, side)
+                        torch.cuda.synchronize()
+                        e = rel_err(y, ref) if torch.isfinite(y).all() else float("nan")
+                    except Exception as exc:  # noqa: BLE001 (recorded: e.g. a strided out refused)
+                        log(f"{name} M={m} overlap_folded_{c}: {type(exc).__name__}: {exc}"[:300])
+                        continue
+                    point[f"err_overlap_folded_{c}"] = e
+                    if e <= FP8_TOL:
+                        arms[f"overlap_folded_{c}"] = (
+                            lambda i, pc=pc, y_full=y_full: overlapped_folded(xs[i % 2], ws[i], pc[i], scratch, wscale_f,
+                                                                              y_full, side), len(ws))
+                    else:
+                        log(f"GATE FAIL {name} M={m} overlap_folded_{c}: {e:.3e}")
                 point["err_serial"] = rel_err(dequant_core_fp8(xs[0], ws[0]), ref)
                 med = time_arms(timer, arms, args.rounds)
                 point["us"] = med
@@ -150,7 +210,7 @@ def main() -> int:
             results["points"].append(point)
             with open(os.path.join(args.out, "dequant_overlap.json"), "w") as f:
                 json.dump(results, f, indent=1)
-        del ws, w_ref, dense_rot, fp8_rot, scratch, inv, parts
+        del ws, w_ref, dense_rot, fp8_rot, scratch, inv, wscale_f, parts
         torch.cuda.empty_cache()
     return 0
 

@@ -785,6 +785,13 @@ def test_dequant_overlap_chunks_are_views_and_give_the_serial_product():
     got = probe.overlapped(x, qw, probe.chunk_weights(qw, 3), scratch, inv, None)
     want = dequant_core_fp8(x, qw)
     assert got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2**-7, atol=0)
+    # The folded form's chunks: each one's Hn T rows and scales, bit for bit the library's of the chunk.
+    from escha.kernels.dequant_once import dequant_hn
+    wscale = torch.full((384,), float("nan"))
+    for r0, r1, qc in parts:
+        probe.dequant_hn_rows(qc, scratch[r0:r1], wscale[r0:r1])
+        w, ws = dequant_hn(qc, fp8=True)
+        assert torch.equal(scratch[r0:r1].view(torch.uint8), w.view(torch.uint8)) and torch.equal(wscale[r0:r1], ws)
 
 
 def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
