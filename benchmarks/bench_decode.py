@@ -155,6 +155,29 @@ def compile_in_child(source: str, tree: str, args: tuple[str, ...] = (), timeout
     return json.loads(run.stdout)
 
 
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """``cuobjdump FLAG`` (``-sass``, ``-res-usage``) of a cubin, with the cuobjdump Triton bundles."""
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def res_usage(cubin: bytes) -> dict[str, int]:
+    """REG, SHARED, STACK, LOCAL of the kernel in a cubin (``cuobjdump -res-usage``)."""
+    return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", cuobjdump(cubin, "-res-usage"))}
+
+
+def programs_per_sm(registers: int, shared: int, threads: int = 128) -> int:
+    """Programs of ``threads`` threads an sm_90 SM holds: 64K registers, allocated 8 a thread at a
+    time, and 228 KB of shared memory, 1 KB of it reserved a program."""
+    return min(65536 // (threads * (-(-registers // 8) * 8)), 233472 // (shared + 1024))
+
+
 def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
     """The instructions of a SASS listing in order, and each label's position among them.
 
@@ -182,23 +205,41 @@ def opcode_counts(instrs: list[str]) -> dict[str, int]:
     return counts
 
 
-def loop_census(sass: str, containing: str | None = None) -> dict[str, int]:
-    """Opcode counts of the loop body: the longest region closed by a backward branch
-    (``sass_instructions``' two listing styles; ``opcode_counts``' stripping); with
-    ``containing`` (an opcode), the shortest such region that holds it (the innermost loop
-    around it, where an outer loop encloses the step loop)."""
-    instrs, labels = sass_instructions(sass)
-    regions = []
+def branches(instrs: list[str], labels: dict[str, int], addresses: bool = False) -> list[tuple[int, int]]:
+    """(position, target position) of every branch to a label of the listing; with ``addresses``
+    also of those to an address, which the disassembler leaves unlabelled (``@P0 BRA P1,
+    0x2e00``: a kernel's instructions are 16 bytes each from address 0, so the target's position
+    is the address / 16)."""
+    out = []
     for i, ins in enumerate(instrs):
         bm = re.search(r"BRA\s+`?\(?(\.?L\w+)", ins)
-        if bm and bm.group(1) in labels and labels[bm.group(1)] <= i:
-            regions.append((labels[bm.group(1)], i))
+        am = re.search(r"BRA\s+(?:U?!?P\w+,\s*)?0x([0-9a-f]+)\s*$", ins) if addresses else None
+        if bm and bm.group(1) in labels:
+            out.append((i, labels[bm.group(1)]))
+        elif am:
+            out.append((i, int(am.group(1), 16) // 16))
+    return out
+
+
+def loop_region(sass: str, containing: str | None = None) -> tuple[list[str], dict[str, int], int, int]:
+    """The listing's instructions and labels (``sass_instructions``) and the first and last
+    position of the loop body: the longest region closed by a backward branch; with
+    ``containing`` (an opcode), the shortest such region that holds it (the innermost loop
+    around it, where an outer loop encloses the step loop). (0, 0) when there is none."""
+    instrs, labels = sass_instructions(sass)
+    regions = [(target, i) for i, target in branches(instrs, labels) if target <= i]
     if containing is not None:
         regions = [r for r in regions if containing in opcode_counts(instrs[r[0]:r[1] + 1])]
         best = min(regions, key=lambda r: r[1] - r[0], default=(0, 0))
     else:
         best = max(regions, key=lambda r: r[1] - r[0], default=(0, 0))
-    return opcode_counts(instrs[best[0]:best[1] + 1])
+    return instrs, labels, best[0], best[1]
+
+
+def loop_census(sass: str, containing: str | None = None) -> dict[str, int]:
+    """Opcode counts of the loop body (``loop_region``; ``opcode_counts``' stripping)."""
+    instrs, _, first, last = loop_region(sass, containing)
+    return opcode_counts(instrs[first:last + 1])
 
 
 def census_from_sass(sass: str, cfg, regs=None, spills=None) -> dict:

@@ -30,7 +30,6 @@ import torch
 
 import escha
 from escha.bench.cuda_timing import GraphTimer
-from escha.bench.method import rotation_buffers
 from escha.format import random_qweight
 from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
                                       mma_order, reference_core)
@@ -40,7 +39,8 @@ from escha.kernels.transforms import prepare_input
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import load_previous, revision  # noqa: E402
-from bench_decode_wgmma import SHAPES, packed_weights, rel_err, start_run, time_arms  # noqa: E402
+from bench_decode_wgmma import (SHAPES, cublas_arms, fp8_weights, packed_weights, rel_err,  # noqa: E402
+                               start_run, time_arms)
 
 FP8_TOL = 0.077  # tests/test_decode_fp8.py
 PARTIALS_TOL = 2.0**-8  # tests/test_decode_fp8.py
@@ -86,8 +86,7 @@ def main() -> int:
     for name in args.shapes.split(","):
         out_f, in_f = SHAPES[name]
         ws, w_ref, dense_rot = packed_weights(name, args.bits, l2, {})
-        fp8_rot = [w.to(torch.float8_e4m3fn) for w in dense_rot[:max(2, rotation_buffers(l2, out_f * in_f))]]
-        wscale = torch.ones(out_f, device="cuda")
+        fp8_rot = fp8_weights(dense_rot, l2)
         for m in [int(v) for v in args.ms.split(",")]:
             point = {"shape": name, "N": out_f, "K": in_f, "M": m, "bits": args.bits}
             try:
@@ -96,13 +95,8 @@ def main() -> int:
                 if m > 128:  # blocks of 128 (each weight decoded once a block), 3 programs an SM
                     configs["fp8_bn128"] = config_with_block(ws[0], m, 128, torch.device("cuda"))
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-                x8 = xs[0].to(torch.float8_e4m3fn)
-                xscale = torch.ones(m, device="cuda")
                 arms = {
-                    "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
-                    "cublas_fp8": (lambda i: torch._scaled_mm(x8, fp8_rot[i % len(fp8_rot)].T, scale_a=xscale[:, None],
-                                                              scale_b=wscale[None, :], out_dtype=torch.bfloat16),
-                                   len(fp8_rot)),
+                    **cublas_arms(xs, dense_rot, fp8_rot),
                     "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
                     "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i]), len(ws)),
                     "core_fp8": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),

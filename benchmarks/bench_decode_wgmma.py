@@ -130,10 +130,10 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     return {k: v for k, v in out.items() if v != cfg}
 
 
-def start_run(out: str, log_name: str, gate) -> tuple:
+def start_run(out: str, log_name: str, gate=None) -> tuple:
     """The output folder, a logger that prints and appends to ``out/log_name``, and the results
-    dict with the environment and the fragments gate (``gate(log)``) recorded: what the decode
-    benchmarks do before their first point."""
+    dict with the environment and, given one, the fragments gate (``gate(log)``) recorded: what
+    the decode benchmarks do before their first point."""
     os.makedirs(out, exist_ok=True)
 
     def log(s: str) -> None:
@@ -144,11 +144,40 @@ def start_run(out: str, log_name: str, gate) -> tuple:
     env = env_info()
     log(json.dumps(env))
     results = {"env": env, "gates": {}, "points": []}
-    try:
-        results["gates"]["fragments"] = gate(log)
-    except Exception:
-        log(traceback.format_exc())
+    if gate is not None:
+        try:
+            results["gates"]["fragments"] = gate(log)
+        except Exception:
+            log(traceback.format_exc())
     return log, results
+
+
+def dense_weights(out_f: int, in_f: int, l2: int) -> list[torch.Tensor]:
+    """bf16 [out_f, in_f] weights for cuBLAS, enough of them to rotate past L2."""
+    return [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+            for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
+
+
+def fp8_weights(dense_rot: list[torch.Tensor], l2: int) -> list[torch.Tensor]:
+    """e4m3 copies of the first ``dense_rot`` weights, enough of them to rotate past L2."""
+    out_f, in_f = dense_rot[0].shape
+    return [w.to(torch.float8_e4m3fn) for w in dense_rot[:max(2, rotation_buffers(l2, out_f * in_f))]]
+
+
+def cublas_arms(xs: list[torch.Tensor], dense_rot: list[torch.Tensor],
+                fp8_rot: list[torch.Tensor] | None = None) -> dict:
+    """The cuBLAS arms on the activations ``xs`` (two, alternated): bf16 over ``dense_rot`` and,
+    given ``fp8_rot``, fp8 (``torch._scaled_mm``, row-wise scales, the operands already e4m3: its
+    activation quantization is not timed)."""
+    arms = {"cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot))}
+    if fp8_rot is not None:
+        x8 = xs[0].to(torch.float8_e4m3fn)
+        xscale = torch.ones(xs[0].shape[0], device="cuda")
+        wscale = torch.ones(fp8_rot[0].shape[0], device="cuda")
+        arms["cublas_fp8"] = (lambda i: torch._scaled_mm(x8, fp8_rot[i % len(fp8_rot)].T, scale_a=xscale[:, None],
+                                                          scale_b=wscale[None, :], out_dtype=torch.bfloat16),
+                              len(fp8_rot))
+    return arms
 
 
 def packed_weights(name: str, bits: int, l2: int, previous: dict) -> tuple:
@@ -162,9 +191,7 @@ def packed_weights(name: str, bits: int, l2: int, previous: dict) -> tuple:
         packed_words(w)
         for mod in previous.values():
             mod.packed_words(w)
-    dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
-                 for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
-    return ws, dequantize(ws[0]).double(), dense_rot
+    return ws, dequantize(ws[0]).double(), dense_weights(out_f, in_f, l2)
 
 
 def main() -> int:
@@ -196,10 +223,8 @@ def main() -> int:
                         log(f"GATE FAIL {name} M={m} {dt}: {e:.3e} > {TOL[dt]:.3e}")
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                 cfg = decode_wgmma_config(ws[0], m)
-                arms = {
-                    "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
-                    "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i], config=cfg), len(ws)),
-                }
+                arms = {**cublas_arms(xs, dense_rot),
+                        "wgmma": (lambda i: decode_wgmma(xs[i % 2], ws[i], config=cfg), len(ws))}
                 # The launch-order choices of the same kernels: plain stream order, and programmatic
                 # dependents with the GEMM starting early (as the input transform starts) or late.
                 for arm, pdl, early in (("plain", False, False), ("pdl_early", True, True), ("pdl_late", True, False)):

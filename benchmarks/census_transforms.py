@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from bench_decode import compile_in_child, opcode_counts, sass_instructions  # noqa: E402
+from bench_decode import compile_in_child, opcode_counts, res_usage, sass_instructions  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "down_8b": (4096, 14336)}
 WATCH = ("STS", "LDS", "BAR", "SHFL", "HMMA", "HGMMA", "FADD", "FFMA", "FMUL", "LDG", "STG")
@@ -59,17 +56,6 @@ for name, (n, k) in shapes.items():
                         "shared": kern.metadata.shared, "sass": kern.asm["sass"], "cubin": kern.asm["cubin"].hex()})
 json.dump(out, sys.stdout)
 """
-
-
-def res_usage(cubin: bytes) -> dict[str, int]:
-    """REG, SHARED, STACK, LOCAL of the kernel in a cubin (cuobjdump -res-usage)."""
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", text)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,21 +35,20 @@ import torch
 
 import escha
 from escha.bench.cuda_timing import GraphTimer
-from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, dequantize
 from escha.format.spec import HAD_BLOCK, TILE
 from escha.kernels.actquant import prepare_actquant
 from escha.kernels.codec import CodecPath
-from escha.kernels.common import CORE_FP8_SCALE, FP8_DTYPE
 from escha.kernels.dequant import dequantize_core
-from escha.kernels.common import HN_FP8_SCALE, dot_dtype, hadamard_operand
+from escha.kernels.common import CORE_FP8_SCALE, FP8_DTYPE, HN_FP8_SCALE, dot_dtype, hadamard_operand
 from escha.kernels.dequant_once import (dequant_core_fp8, dequant_fp8, dequant_hn_kernel, dequant_once_config,
                                         k_per_prog_for, scaled_mm_rowwise)
 from escha.kernels.transforms import hadamard_output_dense
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import env_info, weight_set  # noqa: E402
-from bench_decode_wgmma import SHAPES, rel_err, time_arms  # noqa: E402
+from bench_decode import weight_set  # noqa: E402
+from bench_decode_wgmma import (SHAPES, cublas_arms, dense_weights, fp8_weights, rel_err,  # noqa: E402
+                                start_run, time_arms)
 
 FP8_TOL = 0.077  # the fp8 paths' bound on the whole call against fp64 (tests/test_decode_fp8.py)
 
@@ -134,16 +133,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--chunks", default="2,4,8")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        with open(os.path.join(args.out, "dequant_overlap.log"), "a") as f:
-            f.write(s + "\n")
-
-    env = env_info()
-    log(json.dumps(env))
-    results = {"env": env, "points": []}
+    log, results = start_run(args.out, "dequant_overlap.log")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     timer = GraphTimer(replays=10)
     side = torch.cuda.Stream()
@@ -155,52 +145,42 @@ def main() -> int:
         inv = torch.full((ws[0].padded_shape[0],), 1.0 / CORE_FP8_SCALE.value, device="cuda")
         wscale_f = torch.empty(ws[0].padded_shape[0], dtype=torch.float32, device="cuda")
         parts = {c: [chunk_weights(w, c) for w in ws] for c in (int(v) for v in args.chunks.split(","))}
-        dense_rot = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(max(2, rotation_buffers(l2, out_f * in_f * 2)))]
-        fp8_rot = [w.to(torch.float8_e4m3fn) for w in dense_rot[:max(2, rotation_buffers(l2, out_f * in_f))]]
-        wscale = torch.ones(out_f, device="cuda")
+        dense_rot = dense_weights(out_f, in_f, l2)
+        fp8_rot = fp8_weights(dense_rot, l2)
         for m in [int(v) for v in args.ms.split(",")]:
             point = {"shape": name, "N": out_f, "K": in_f, "M": m, "bits": 2}
             try:
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-                x8 = xs[0].to(torch.float8_e4m3fn)
-                xscale = torch.ones(m, device="cuda")
                 arms = {
-                    "cublas_bf16": (lambda i: xs[i % 2] @ dense_rot[i % len(dense_rot)].T, len(dense_rot)),
-                    "cublas_fp8": (lambda i: torch._scaled_mm(x8, fp8_rot[i % len(fp8_rot)].T, scale_a=xscale[:, None],
-                                                              scale_b=wscale[None, :], out_dtype=torch.bfloat16),
-                                   len(fp8_rot)),
+                    **cublas_arms(xs, dense_rot, fp8_rot),
                     "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
                     "serial": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),
                     "serial_folded": (lambda i: dequant_fp8(xs[i % 2], ws[i]), len(ws)),
                 }
                 ref = xs[0].double() @ w_ref.T
-                for c, pc in parts.items():
-                    y = overlapped(xs[0], ws[0], pc[0], scratch, inv, side)
-                    torch.cuda.synchronize()
-                    e = rel_err(y, ref) if torch.isfinite(y).all() else float("nan")
-                    point[f"err_overlap_{c}"] = e
-                    if e <= FP8_TOL:
-                        arms[f"overlap_{c}"] = (lambda i, pc=pc: overlapped(xs[i % 2], ws[i], pc[i], scratch, inv, side),
-                                                len(ws))
-                    else:
-                        log(f"GATE FAIL {name} M={m} overlap_{c}: {e:.3e}")
                 y_full = torch.empty((m, ws[0].padded_shape[0]), dtype=torch.bfloat16, device="cuda")
-                for c, pc in parts.items():
+
+                def gate_arm(label: str, call) -> None:
+                    """``call(i)`` (weight i, x alternated) as the arm ``label`` if its first call
+                    is within the fp8 table of fp64; the error recorded either way."""
                     try:
-                        y = overlapped_folded(xs[0], ws[0], pc[0], scratch, wscale_f, y_full, side)
+                        y = call(0)
                         torch.cuda.synchronize()
                         e = rel_err(y, ref) if torch.isfinite(y).all() else float("nan")
                     except Exception as exc:  # noqa: BLE001 (recorded: e.g. a strided out refused)
-                        log(f"{name} M={m} overlap_folded_{c}: {type(exc).__name__}: {exc}"[:300])
-                        continue
-                    point[f"err_overlap_folded_{c}"] = e
+                        log(f"{name} M={m} {label}: {type(exc).__name__}: {exc}"[:300])
+                        return
+                    point[f"err_{label}"] = e
                     if e <= FP8_TOL:
-                        arms[f"overlap_folded_{c}"] = (
-                            lambda i, pc=pc, y_full=y_full: overlapped_folded(xs[i % 2], ws[i], pc[i], scratch, wscale_f,
-                                                                              y_full, side), len(ws))
+                        arms[label] = (call, len(ws))
                     else:
-                        log(f"GATE FAIL {name} M={m} overlap_folded_{c}: {e:.3e}")
+                        log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
+
+                for c, pc in parts.items():
+                    gate_arm(f"overlap_{c}", lambda i, pc=pc: overlapped(xs[i % 2], ws[i], pc[i], scratch, inv, side))
+                for c, pc in parts.items():
+                    gate_arm(f"overlap_folded_{c}", lambda i, pc=pc, y_full=y_full: overlapped_folded(
+                        xs[i % 2], ws[i], pc[i], scratch, wscale_f, y_full, side))
                 point["err_serial"] = rel_err(dequant_core_fp8(xs[0], ws[0]), ref)
                 med = time_arms(timer, arms, args.rounds)
                 point["us"] = med
