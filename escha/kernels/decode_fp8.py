@@ -6,14 +6,15 @@ The register-operand decode kernel's words (``decode_wgmma.pack_words``, here lo
 registers two steps ahead), even split of (row tile, k-block) steps over one wave of programs, TMA
 ring for the activations and fp32 partials for ``transforms.hadamard_output``; but the decoded
 weights are scaled by 64 and rounded to e4m3 (as the dequantize-once core,
-``dequant.dequantize_core``: |64 T| < 256, a power of two, no saturation), stored to shared
-memory (``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3`` with both operands from shared memory, issued asynchronously: the next step's decode runs while
-this step's MMAs do. The activations are e4m3 (the input transform's ``fp8`` form: x' times a
-power of two per token, |x' 2**e| <= 2**8). Half the tensor-core time and half the activation
-bytes of the fp16 kernel, at the fp8 paths' accuracy (docs/KERNELS.md, Prefill, "Accuracy"), and
-token blocks up to 256 (each weight decoded once up to 256 tokens): ``escha.matmul``'s path from
-65 to 256 tokens on Hopper (``DispatchRule.decode_max_m``, ``fp8_decode_max_m``), where the fp16
-kernel's MMAs, waited for each step, cost as much as its decode.
+``dequant.dequantize_core``: |64 T| < 256, a power of two, no saturation), stored to shared memory
+(``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3`` with both operands from shared memory,
+issued asynchronously: the next step's decode runs while this step's MMAs do. The activations are
+e4m3 (the input transform's ``fp8`` form: x' times a power of two per token, |x' 2**e| <= 2**8).
+Half the tensor-core time and half the activation bytes of the fp16 kernel, at the fp8 paths'
+accuracy (docs/KERNELS.md, Prefill, "Accuracy"), and token blocks up to 256 (each weight decoded
+once up to 256 tokens): ``escha.matmul``'s path from 65 to 256 tokens on Hopper
+(``DispatchRule.decode_max_m``, ``fp8_decode_max_m``), where the fp16 kernel's MMAs, waited for
+each step, cost as much as its decode.
 
 Layout. The MMA's k order inside a 128-block is ours (``transforms.prepare_input(..., fp8=True)``
 stores x' the same way); it is the order the decode produces, in which a thread owns tiles 2t and
