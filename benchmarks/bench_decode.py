@@ -236,6 +236,19 @@ def loop_region(sass: str, containing: str | None = None) -> tuple[list[str], di
     return instrs, labels, best[0], best[1]
 
 
+def steady_loop(sass: str) -> tuple[list[str], int]:
+    """The instructions of a decode GEMM's step loop as it runs between tile ends, and how many
+    instructions of the tile-end store they leave out: the loop is the longest region closed by
+    a predicated backward branch (its back edge; ``loop_region`` may take the unconditional
+    return from an out-of-line wait retry instead), the store the first forward branch in it that
+    skips more than 40 instructions."""
+    instrs, labels = sass_instructions(sass)
+    jumps = branches(instrs, labels, addresses=True)
+    first, last = max(((t, i) for i, t in jumps if t <= i and instrs[i].startswith("@")), key=lambda r: r[1] - r[0])
+    s0, s1 = next((i, t) for i, t in jumps if first <= i and i + 40 < t <= last)
+    return instrs[first:s0 + 1] + instrs[s1:last + 1], s1 - s0 - 1
+
+
 def loop_census(sass: str, containing: str | None = None) -> dict[str, int]:
     """Opcode counts of the loop body (``loop_region``; ``opcode_counts``' stripping)."""
     instrs, _, first, last = loop_region(sass, containing)

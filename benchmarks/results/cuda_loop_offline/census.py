@@ -1,7 +1,8 @@
 """Offline census of decode_loop.cu (no GPU): compile it for sm_90a with nvcc, disassemble it with
 the cuobjdump Triton bundles, and count the consumer's instructions for one k-block in steady
 state: the first ring stage's part of the unrolled loop (from its mbarrier wait to the next
-stage's), less the tile-end store (the block the branch after the MMAs' wait skips).
+stage's), less the tile-end store (the block the branch after the MMAs' wait skips); beside it
+the same count of the Gluon kernel's rule build at 8 tokens, K = 2 (``bench_decode.steady_loop``).
 
     python benchmarks/results/cuda_loop_offline/census.py > benchmarks/results/cuda_loop_offline/census.txt
 """
@@ -11,8 +12,23 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE))))  # benchmarks/
-from bench_decode import branches, cuobjdump, opcode_counts, sass_instructions  # noqa: E402
+BENCHMARKS = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(BENCHMARKS), BENCHMARKS]
+from bench_decode import branches, cuobjdump, opcode_counts, sass_instructions, steady_loop  # noqa: E402
+
+
+def gluon_rule_build() -> int:
+    """Steady-state loop instructions of the Gluon kernel's rule build at 8 tokens (K = 2, the
+    halves codec, one fragment, a ring of 3), compiled for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    import escha.kernels.decode_wgmma  # noqa: F401
+    dw = sys.modules["escha.kernels.decode_wgmma"]  # the package exports a function of the same name
+    _, frags, stages, halves = dw.rule_variant(8, 2)
+    k = triton.compile(dw.gemm_source(2, 8, stages, frags, halves=halves), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "launch_pdl": True})
+    return len(steady_loop(k.asm["sass"])[0])
 
 
 def main() -> int:
@@ -34,6 +50,8 @@ def main() -> int:
     print(f"consumer, one k-block in steady state: {len(steady)} instructions "
           f"(the stage's part of the loop {end - start}, tile-end store {end - start - len(steady)})")
     print(", ".join(f"{op} {n}" for op, n in ops))
+    print(f"the Gluon kernel's rule build at 8 tokens, counted the same way: {gluon_rule_build()} "
+          "instructions a k-block")
     return 0
 
 

@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
-from bench_decode import branches, loop_region, programs_per_sm, res_usage  # noqa: E402
+from bench_decode import programs_per_sm, res_usage, steady_loop  # noqa: E402
 
 import escha.kernels.decode_wgmma  # noqa: E402,F401
 
@@ -29,14 +29,10 @@ def main() -> int:
         k = triton.compile(dw.gemm_source(bits, bn, stages, frags, halves=bool(halves), **extra),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
         regs = res_usage(k.asm["cubin"])["REG"]
-        instrs, labels, first, last = loop_region(k.asm["sass"])
-        # The tile-end store: the first forward branch in the loop that skips more than 40 instructions.
-        s0, s1 = next((i, t) for i, t in branches(instrs, labels, addresses=True) if first <= i and i + 40 < t <= last)
-        body = last - first + 1
-        store = s1 - s0 - 1
+        steady, store = steady_loop(k.asm["sass"])
         print(f"{spec} registers {regs} shared {k.metadata.shared} programs an SM "
-              f"{programs_per_sm(regs, k.metadata.shared)} loop {body} store block {store} steady {body - store} "
-              f"per k-block {(body - store) / kb}", flush=True)
+              f"{programs_per_sm(regs, k.metadata.shared)} loop {len(steady) + store} store block {store} "
+              f"steady {len(steady)} per k-block {len(steady) / kb}", flush=True)
     return 0
 
 
