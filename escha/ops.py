@@ -132,7 +132,7 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
         KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8),
         KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
         KernelPath.DEQUANT_CORE_BF16: PathOp(dequant_core_bf16),
-        KernelPath.DECODE_FP8: PathOp(decode_fp8, runs_on=runs_on),
+        KernelPath.DECODE_FP8: PathOp(decode_fp8, runs_on=runs_on, fuses_norm=True),
     }
 
 

@@ -73,6 +73,29 @@ def test_input_transform_fp8(m, k, outlier):
     assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_input_transform_fp8_applies_the_norm(dtype):
+    """The fp8 form with the RMSNorm in the input transform (what ``decode_fp8(..., norm=)``
+    launches; Triton interpreter on the CPU): the normalised rows' x' within e4m3's rounding, and
+    the plain rows' x' far from it (the norm's weight scales the columns unevenly)."""
+    from escha.norm import RowNorm
+    qw = random_qweight(64, 300, bits=2, seed=3)
+    g = torch.Generator().manual_seed(4)
+    norm = RowNorm((torch.rand(300, generator=g) + 0.5).to(dtype), 1e-6)
+    x = (torch.randn(6, 300, generator=g) * 3).to(dtype)
+    xq, inv, _ = prepare_input(x, qw, norm=norm, keep=False, fp8=True)
+    order = df.fp8_mma_column_order()
+    back = torch.empty_like(xq.float())
+    for b in range(xq.shape[1] // 128):
+        back[:, 128 * b + order] = xq.float()[:, 128 * b:128 * b + 128]
+    step = (inv * 64).double()[:, None]
+    got = back.double() * step
+    want = input_transform(norm.apply(x).double(), qw).double()
+    assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
+    plain = input_transform(x.double(), qw).double()
+    assert float((got - plain).norm() / plain.norm()) > 0.1
+
+
 def test_input_transform_fp8_has_one_order():
     qw = random_qweight(64, 128, bits=2, seed=0)
     for kwargs in ({"mma_order": True}, {"halves": True}):

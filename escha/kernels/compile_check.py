@@ -82,6 +82,8 @@ def _launches() -> Iterator[str]:
         for m in (1, 100, 200):
             yield f"decode_fp8 K={bits} M={m}"
             decode_fp8_launch(x(m), qw, decode_fp8_config(qw, m, cuda), None)
+        yield f"decode_fp8 K={bits} M=100, RMSNorms in the input and output transforms"
+        decode_fp8_launch(x(100), qw, decode_fp8_config(qw, 100, cuda), None, norm, head)
         yield f"decode_fp8 fragments K={bits}"
         for warps_n in (1, 2):
             fp8_fragments(qw, warps_n)

@@ -46,6 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..format.codec import decode_trellis
 from ..format.qweight import QuantizedWeight
+from ..norm import HeadNorm, RowNorm
 from .common import (
     FP8_DTYPE,
     check_codebook,
@@ -382,12 +383,15 @@ def compile_options(block_tokens: int, pdl: bool = True) -> dict:
 
 
 def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, norm: RowNorm | None = None,
+               head_norm: HeadNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T on a Hopper GPU on the fp8 tensor cores, in x's dtype.
 
     x may be fp16, bf16 or fp32, any strides; ``out``, if given, is a preallocated
     [M, out_features] tensor of x's dtype with unit column stride. The weight's words are repacked
-    on the first call (``decode_wgmma.packed_words``).
+    on the first call (``decode_wgmma.packed_words``). ``norm`` (weight of x's dtype) is applied
+    to x first, in the input transform: norm(x) @ W_hat^T; ``head_norm`` to the output's heads, in
+    the output transform (as ``decode_wgmma``).
 
     Three kernels, programmatic dependents where the device has them: ``transforms.prepare_input``
     with ``fp8`` (x' * 2**e in e4m3, fp8 MMA column order), the GEMM (fp32 partials), and
@@ -399,21 +403,22 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     if not runs_on(x.device, qw.bits):
         raise ValueError(f"decode_fp8 runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
                          f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
-    return _launch(x, qw, config, out)
+    return _launch(x, qw, config, out, norm, head_norm)
 
 
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None,
-            out: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor | None, norm: RowNorm | None = None,
+            head_norm: HeadNorm | None = None) -> torch.Tensor:
     """Allocate and launch the three kernels (operands already checked; compile_check calls it
     off the GPU)."""
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
     pdl = cfg.dependent_launch
-    xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, keep=False, fp8=True)
+    xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, keep=False, fp8=True)
     ws, counts = gemm_partials(xq, qw, cfg)
     y = output_tensor(x, m, qw.out_features, out)
-    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, segments=counts)
+    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
