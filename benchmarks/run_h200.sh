@@ -69,6 +69,15 @@
 # PHASE "overlap": benchmarks/probe_dequant_overlap.py: the plain-core dequantize-once path with its
 #                  weight decoded in row chunks on a second stream beside the chunks' GEMMs, against
 #                  the serial path and cuBLAS, at OVERLAP_MS (default 384-2048 tokens).
+# PHASE "cuda-loop": benchmarks/probe_cuda_loop.py: the register-operand decode loop written in CUDA C++
+#                  (probe_cuda_loop.cu, built with nvcc, launched through the driver API) gated bit
+#                  for bit against the Gluon kernel's partials and timed beside it at CUDA_LOOP_MS
+#                  (default 1 and 8 tokens) on four shapes; then compute-sanitizer memcheck and
+#                  racecheck of its gates (down, 1 and 8 tokens).
+# PHASE "cuda-loop-ncu": ncu's warp-state and scheduler sections with the per-reason stall metrics of
+#                  the CUDA loop and the Gluon kernel beside it (gate_up, 8 tokens: each at 4 and 5
+#                  programs an SM's grid, from the probe's gates), then racecheck of the CUDA loop at
+#                  8 tokens alone (down), with the time two tokens counts took.
 # PHASE "fp8-check": compute-sanitizer memcheck and racecheck of decode_fp8 at every token block's
 #                  build, then bench_decode_fp8.py at FP8_MS (default 32-128 tokens) at K = 2 and 3.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
@@ -87,7 +96,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -240,6 +249,21 @@ case "$phase" in
   overlap)
     step probe_overlap 300 python benchmarks/probe_dequant_overlap.py --out "$out/dequant_overlap" \
       --ms "${OVERLAP_MS:-384,512,768,1024,2048}"
+    ;;
+  cuda-loop)
+    step probe_cuda_loop 300 python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop" --ms "${CUDA_LOOP_MS:-1,8}"
+    for tool in memcheck racecheck; do
+      step "${tool}_cuda_loop" 120 compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 99 \
+        python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop_$tool" --ms 1,8 --shapes down --gate-only
+    done
+    ;;
+  cuda-loop-ncu)
+    step ncu_cuda_loop 200 ncu --clock-control none -k 'regex:decode_loop_kernel|_decode_wgmma_kernel' --launch-count 4 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+      --section Occupancy --section LaunchStats --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop_ncu" --ms 8 --shapes gate_up --gate-only
+    step racecheck_cuda_loop 330 compute-sanitizer --tool racecheck --print-limit 20 --error-exitcode 99 \
+      python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop_racecheck" --ms 8 --shapes down --gate-only
     ;;
   fp8-check)
     step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \

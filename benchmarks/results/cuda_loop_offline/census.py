@@ -1,8 +1,9 @@
-"""Offline census of decode_loop.cu (no GPU): compile it for sm_90a with nvcc, disassemble it with
-the cuobjdump Triton bundles, and count the consumer's instructions for one k-block in steady
-state: the first ring stage's part of the unrolled loop (from its mbarrier wait to the next
-stage's), less the tile-end store (the block the branch after the MMAs' wait skips); beside it
-the same count of the Gluon kernel's rule build at 8 tokens, K = 2 (``bench_decode.steady_loop``).
+"""Offline census of decode_loop.cu and of benchmarks/probe_cuda_loop.cu, the kernel built from it
+and timed on the H200 (no GPU here): compile each for sm_90a with nvcc, disassemble it with the
+cuobjdump Triton bundles, and count the consumer's instructions for one k-block in steady state:
+ring stage 0's part of the unrolled loop (from its mbarrier wait to the next stage's), less the
+tile-end store (the block the branch after the MMAs' wait skips); beside them the same count of
+the Gluon kernel's rule build at 8 tokens, K = 2 (``bench_decode.steady_loop``).
 
     python benchmarks/results/cuda_loop_offline/census.py > benchmarks/results/cuda_loop_offline/census.txt
 """
@@ -31,25 +32,37 @@ def gluon_rule_build() -> int:
     return len(steady_loop(k.asm["sass"])[0])
 
 
-def main() -> int:
+def steady_kblock(source: str, defines: tuple[str, ...] = ()) -> tuple[str, list[str], int]:
+    """(ptxas's register line, the consumer's instructions for one k-block in steady state, the
+    stage's whole part of the loop) of a CUDA loop built for sm_90a: ring stage 0's part of the
+    unrolled loop (from its wait on "full" to stage 1's), less the tile-end store (the block the
+    branch after the MMAs' wait skips). The consumer's waits are the first three TRYWAITs."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "decode_loop.cubin")
-        build = subprocess.run(["nvcc", "-arch=sm_90a", "-O3", "-cubin", "-Xptxas", "-v", "-o", path,
-                                os.path.join(HERE, "decode_loop.cu")], capture_output=True, text=True, check=True)
+        path = os.path.join(tmp, "loop.cubin")
+        build = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-cubin", "-Xptxas", "-v",
+                                *defines, "-o", path, source], capture_output=True, text=True, check=True)
         with open(path, "rb") as f:
             cubin = f.read()
-    print(subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
-    print("\n".join(line for line in build.stderr.splitlines() if "registers" in line or "stack" in line))
+    usage = "\n".join(line for line in build.stderr.splitlines() if "registers" in line or "stack" in line)
     instrs, labels = sass_instructions(cuobjdump(cubin, "-sass"))
-    waits = [i for i, t in enumerate(instrs) if "TRYWAIT" in t and "+0x60" in t]
-    start, end = waits[0], waits[1]  # stage 0's wait on "full", stage 1's
+    waits = [i for i, t in enumerate(instrs) if "TRYWAIT" in t][:3]
+    start, end = waits[0], waits[1]
     depbar = next(i for i in range(start, end) if instrs[i].startswith("WARPGROUP.DEPBAR"))
     s0, s1 = next((i, t) for i, t in branches(instrs, labels, addresses=True) if depbar < i < end and t > i)
-    steady = instrs[start:s0 + 1] + instrs[s1:end]
-    ops = sorted(opcode_counts(steady).items(), key=lambda kv: -kv[1])
-    print(f"consumer, one k-block in steady state: {len(steady)} instructions "
-          f"(the stage's part of the loop {end - start}, tile-end store {end - start - len(steady)})")
-    print(", ".join(f"{op} {n}" for op, n in ops))
+    return usage, instrs[start:s0 + 1] + instrs[s1:end], end - start
+
+
+def main() -> int:
+    print(subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    for label, source, defines in (("decode_loop.cu (the prototype)", os.path.join(HERE, "decode_loop.cu"), ()),
+                                   ("benchmarks/probe_cuda_loop.cu, MINB=4 (the one timed)",
+                                    os.path.join(BENCHMARKS, "probe_cuda_loop.cu"), ("-DMINB=4",))):
+        usage, steady, whole = steady_kblock(source, defines)
+        ops = sorted(opcode_counts(steady).items(), key=lambda kv: -kv[1])
+        print(f"{label}:\n{usage}")
+        print(f"consumer, one k-block in steady state: {len(steady)} instructions "
+              f"(the stage's part of the loop {whole}, tile-end store {whole - len(steady)})")
+        print(", ".join(f"{op} {n}" for op, n in ops))
     print(f"the Gluon kernel's rule build at 8 tokens, counted the same way: {gluon_rule_build()} "
           "instructions a k-block")
     return 0
