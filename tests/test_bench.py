@@ -5,6 +5,8 @@ import argparse
 import json
 import math
 import os
+import re
+import shutil
 import sys
 
 import pytest
@@ -792,6 +794,41 @@ def test_dequant_overlap_chunks_are_views_and_give_the_serial_product():
         probe.dequant_hn_rows(qc, scratch[r0:r1], wscale[r0:r1])
         w, ws = dequant_hn(qc, fp8=True)
         assert torch.equal(scratch[r0:r1].view(torch.uint8), w.view(torch.uint8)) and torch.equal(wscale[r0:r1], ws)
+
+
+def test_cuda_loop_probe_partials_gate_reads_only_written_segments():
+    """The CUDA loop probe's bit-for-bit gate compares each 64-row group's written segments only,
+    and fails on one poisoned (unwritten) value or one flipped bit among them."""
+    probe = _script("probe_cuda_loop")
+    counts = torch.tensor([2, 1], dtype=torch.int32)  # group 0 has two segments, group 1 one
+    a = torch.randn(2, 3, 128)
+    b = a.clone()
+    b[1, :, 64:] = float("nan")  # segment 1 of group 1 is never written: not compared
+    assert probe.written_equal(a, b, counts) == (True, 0)
+    b[1, 2, 5] = float("nan")  # a written value left poisoned
+    assert probe.written_equal(a, b, counts) == (False, 1)
+    b[1, 2, 5] = a[1, 2, 5]
+    b.view(torch.int32)[0, 0, 70] ^= 1  # one bit of one written value
+    assert probe.written_equal(a, b, counts) == (False, 1)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA 12.3 or later) to build for sm_90a")
+def test_cuda_loop_probe_builds_register_operand_wgmma_without_smem_stores():
+    """probe_cuda_loop.cu builds for sm_90a at the timed budget (96 registers, no spills) into a
+    loop whose MMAs take A from registers: HGMMA with a register A operand, no shared-memory
+    store anywhere (decoded weights never leave the registers; the ring is filled by TMA), one
+    CTA barrier (the mbarriers' initialisation), none in the loop."""
+    import tempfile
+    probe = _script("probe_cuda_loop")
+    bench = _script("bench_decode")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, usage = probe.build(probe.BUILDS["w96"], tmp)
+    assert "Used 96 registers" in usage and "0 bytes spill stores" in usage
+    instrs, _ = bench.sass_instructions(bench.cuobjdump(cubin, "-sass"))
+    hgmma = [t for t in instrs if t.startswith("HGMMA")]
+    assert hgmma and all(re.match(r"HGMMA\.64x8x16\.F32 R\d+, R\d+, gdesc", t) for t in hgmma), hgmma[:2]
+    assert not [t for t in instrs if t.split()[0].startswith("STS")]
+    assert len([t for t in instrs if t.startswith("BAR.SYNC")]) == 1
 
 
 def test_llm_in_domain_calibration_is_disjoint_from_the_windows(tmp_path):
