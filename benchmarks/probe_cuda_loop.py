@@ -38,7 +38,12 @@ import traceback
 import torch
 
 from escha.bench.cuda_timing import GraphTimer
-from escha.kernels.decode_wgmma import decode_wgmma_config, gemm_partials, packed_words, segment_counts
+from escha.kernels.decode_wgmma import (
+    decode_wgmma_config,
+    gemm_partials,
+    packed_words,
+    segment_counts,
+)
 from escha.kernels.transforms import hadamard_input, hadamard_output
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -61,19 +66,23 @@ SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8
 BUILDS = {"w96": 4, "c72": 5}  # build -> MINB (__launch_bounds__ min blocks): 96 and 72 registers
 
 # CUDA driver enums (cuda.h, CUDA 13.0)
-_U16, _I32 = 1, 3  # CUtensorMapDataType: UINT16 (x' as raw fp16 bits), INT32
+_U8, _U16, _I32 = 0, 1, 3  # CUtensorMapDataType: UINT8, UINT16 (x' as raw fp16 bits), INT32
 _SWIZZLE_NONE, _SWIZZLE_128B = 0, 3
 _L2_128B = 2
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-def build(minb: int, tmp: str) -> tuple[bytes, str]:
-    """(cubin, ptxas's resource line) of probe_cuda_loop.cu for sm_90a at MINB = minb."""
-    path = os.path.join(tmp, f"decode_loop_{minb}.cubin")
-    r = subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-DMINB={minb}",
-                        "-Xptxas", "-v", "-o", path, SOURCE], capture_output=True, text=True, check=True)
+def nvcc_cubin(source: str, defines: tuple[str, ...], path: str) -> tuple[bytes, str]:
+    """(cubin, ptxas's resource lines) of ``source`` built by nvcc for sm_90a into ``path``."""
+    r = subprocess.run(["nvcc", "-cubin", "-O3", "-gencode=arch=compute_90a,code=sm_90a", *defines,
+                        "-Xptxas", "-v", "-o", path, source], capture_output=True, text=True, check=True)
     with open(path, "rb") as f:
         return f.read(), " ".join(line.strip() for line in r.stderr.splitlines() if "Used" in line or "spill" in line)
+
+
+def build(minb: int, tmp: str) -> tuple[bytes, str]:
+    """(cubin, ptxas's resource line) of probe_cuda_loop.cu for sm_90a at MINB = minb."""
+    return nvcc_cubin(SOURCE, (f"-DMINB={minb}",), os.path.join(tmp, f"decode_loop_{minb}.cubin"))
 
 
 class Driver:
@@ -89,12 +98,13 @@ class Driver:
             self.lib.cuGetErrorName(rc, ctypes.byref(name))
             raise RuntimeError(f"{what}: CUDA driver error {rc} ({name.value.decode() if name.value else '?'})")
 
-    def function(self, cubin: bytes, name: str = "decode_loop_kernel") -> ctypes.c_void_p:
+    def function(self, cubin: bytes, name: str, smem: int) -> ctypes.c_void_p:
+        """Kernel ``name`` of ``cubin``, allowed ``smem`` bytes of dynamic shared memory."""
         module, fn = ctypes.c_void_p(), ctypes.c_void_p()
         self._image = getattr(self, "_image", []) + [ctypes.create_string_buffer(cubin, len(cubin))]
         self.check(self.lib.cuModuleLoadData(ctypes.byref(module), self._image[-1]), "cuModuleLoadData")
         self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
-        self.check(self.lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, SMEM_BYTES + 1024), "cuFuncSetAttribute")
+        self.check(self.lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, smem), "cuFuncSetAttribute")
         return fn
 
     def tensor_map(self, t: torch.Tensor, dtype: int, box: tuple[int, int], swizzle: int) -> ctypes.Array:
@@ -114,11 +124,13 @@ class Driver:
         view._keep = raw  # the aligned view keeps its buffer alive
         return view
 
-    def launch(self, fn, grid: tuple[int, int], args: list) -> None:
+    def launch(self, fn, grid: tuple[int, int], threads: int, smem: int, args: list) -> None:
+        """Launch ``fn`` on torch's current stream (captured into a CUDA graph when one is being
+        captured); ``args`` are ctypes objects, one per kernel parameter."""
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        self.check(self.lib.cuLaunchKernel(fn, grid[0], grid[1], 1, THREADS, 1, 1, SMEM_BYTES + 1024, stream,
-                                           params, None), "cuLaunchKernel")
+        self.check(self.lib.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, smem, stream, params, None),
+                   "cuLaunchKernel")
 
 
 class CudaLoop:
@@ -142,7 +154,7 @@ class CudaLoop:
         self.grid = (self.programs, -(-m // BN))
 
     def __call__(self, i: int) -> torch.Tensor:
-        self.drv.launch(self.fn, self.grid, [self.x_map, self.w_maps[i]] + self.scalars)
+        self.drv.launch(self.fn, self.grid, THREADS, SMEM_BYTES + 1024, [self.x_map, self.w_maps[i]] + self.scalars)
         return self.ws
 
 
@@ -171,7 +183,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, minb in BUILDS.items():
             cubin, usage = build(minb, tmp)
-            fns[name] = drv.function(cubin)
+            fns[name] = drv.function(cubin, "decode_loop_kernel", SMEM_BYTES + 1024)
             results.setdefault("builds", {})[name] = {"minb": minb, "ptxas": usage}
             log(f"build {name}: MINB={minb}: {usage}")
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -78,6 +78,11 @@
 #                  the CUDA loop and the Gluon kernel beside it (gate_up, 8 tokens: each at 4 and 5
 #                  programs an SM's grid, from the probe's gates), then racecheck of the CUDA loop at
 #                  8 tokens alone (down), with the time two tokens counts took.
+# PHASE "fused-fp8": benchmarks/probe_fused_fp8.py: a warp-specialized fused fp8 decode GEMM (a producer
+#                  warpgroup decoding e4m3(64 T) tiles into shared memory beside two consumer
+#                  warpgroups' fp8 wgmma), gated (decoded tiles bit for bit, the product against
+#                  fp64) and timed beside escha's paths and cuBLAS at FUSED_MS (default 128-2048
+#                  tokens) on gate_up and down; then memcheck of its gates (down, 300 tokens).
 # PHASE "fp8-check": compute-sanitizer memcheck and racecheck of decode_fp8 at every token block's
 #                  build, then bench_decode_fp8.py at FP8_MS (default 32-128 tokens) at K = 2 and 3.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
@@ -96,7 +101,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -264,6 +269,11 @@ case "$phase" in
       python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop_ncu" --ms 8 --shapes gate_up --gate-only
     step racecheck_cuda_loop 330 compute-sanitizer --tool racecheck --print-limit 20 --error-exitcode 99 \
       python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop_racecheck" --ms 8 --shapes down --gate-only
+    ;;
+  fused-fp8)
+    step probe_fused_fp8 360 python benchmarks/probe_fused_fp8.py --out "$out/fused_fp8" --ms "${FUSED_MS:-128,256,512,1024,2048}"
+    step memcheck_fused_fp8 120 compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 99 \
+      python benchmarks/probe_fused_fp8.py --out "$out/fused_fp8_memcheck" --ms 300 --shapes down --gate-only
     ;;
   fp8-check)
     step memcheck_fp8 120 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=1,100,130,300 \

@@ -1,0 +1,167 @@
+"""Does a warp-specialized fused fp8 decode GEMM beat escha's mid-range and prefill paths?
+
+``probe_fused_fp8.cu``: one producer warpgroup decodes the trellis into e4m3(64 T) tiles in
+shared memory while two consumer warpgroups run fp8 wgmma (m64n256k32) on them against x' tiles
+brought by TMA; 128 weight rows x 256 tokens a program, the plain-core contract of
+``dequant_core_fp8`` (x' e4m3 with per-token scales from ``actquant``, z = bf16(x' (64 T)^T xscale
+/ 64), then ``hadamard_output_dense``). Each weight is decoded once per 256 tokens, with the decode
+beside the MMAs instead of before them (the design in docs/KERNELS.md, "The mid range").
+
+This probe builds it with nvcc for sm_90a (and a DUMP_CORE build that also writes its decoded
+tiles out), launches it through the CUDA driver API (``probe_cuda_loop.Driver``), and:
+
+- gates it: the decoded tiles bit for bit against ``dequantize_core(qw, e4m3)`` (the DUMP_CORE
+  build, NaN-poisoned output), and the whole product against fp64 within the fp8 paths' bound;
+- times, at each token count: escha.matmul's rule, the plain-core path (``dequant_core_fp8``),
+  the fp8 decode GEMM (``decode_fp8``, to 512 tokens), the fused call (actquant, the fused
+  kernel, the output pass) and the fused kernel alone, beside cuBLAS bf16 and fp8 (operands
+  already e4m3). One process, weights rotated past L2, one CUDA graph an arm, interleaved
+  rounds, median.
+
+Nothing in the library changes. ``nvcc`` must be on PATH (the H200 image has 13.0).
+
+    python benchmarks/probe_fused_fp8.py --out DIR [--ms 128,256,512,1024,2048] [--shapes gate_up,down]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+
+import escha
+from escha.bench.cuda_timing import GraphTimer
+from escha.kernels.actquant import actquant
+from escha.kernels.decode_fp8 import decode_fp8
+from escha.kernels.decode_wgmma import row_windows
+from escha.kernels.dequant import dequantize_core
+from escha.kernels.dequant_once import dequant_core_fp8
+from escha.kernels.transforms import hadamard_output_dense
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_decode import weight_set
+from bench_decode_wgmma import (
+    SHAPES,
+    cublas_arms,
+    dense_weights,
+    fp8_weights,
+    rel_err,
+    start_run,
+    time_arms,
+)
+from probe_cuda_loop import _SWIZZLE_128B, _U8, Driver, nvcc_cubin
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_fused_fp8.cu")
+BM, BN, STAGES, THREADS = 128, 256, 3, 384
+SMEM = STAGES * (BM * 128 + BN * 128) + 2 * STAGES * 8 + 1024
+FP8_TOL = 0.077  # the fp8 paths' bound on the whole call against fp64 (tests/test_decode_fp8.py)
+
+
+class Fused:
+    """The fused kernel's launches for a set of weights: ``gemm(i, xq, xscale)`` writes z for
+    weight i; ``__call__(i, x)`` is the whole call (actquant, the kernel, the output pass)."""
+
+    def __init__(self, drv: Driver, fn, weights: list, core: torch.Tensor | None = None) -> None:
+        self.drv, self.fn, self.weights = drv, fn, weights
+        self.windows = [row_windows(w.trellis, w.bits).contiguous() for w in weights]
+        self.core = core
+
+    def gemm(self, i: int, xq: torch.Tensor, xscale: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        qw = self.weights[i]
+        np_, kp = qw.padded_shape
+        m = xq.shape[0]
+        if z is None:
+            z = torch.empty((m, np_), dtype=torch.bfloat16, device=xq.device)
+        x_map = self.drv.tensor_map(xq.view(torch.uint8), _U8, (128, BN), _SWIZZLE_128B)
+        args = [x_map] + [ctypes.c_uint64(t.data_ptr()) for t in
+                          (self.windows[i], xscale, z)] + [ctypes.c_uint64(0 if self.core is None else
+                                                                           self.core.data_ptr())]
+        args += [ctypes.c_int32(v) for v in (m, np_, kp)]
+        self.drv.launch(self.fn, (np_ // BM, -(-m // BN)), THREADS, SMEM, args)
+        return z
+
+    def __call__(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        qw = self.weights[i]
+        xq, xscale = actquant(x, qw, fp8=True)
+        z = self.gemm(i, xq, xscale)
+        y = torch.empty((x.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
+        return hadamard_output_dense(z, qw, y)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ms", default="128,256,512,1024,2048")
+    ap.add_argument("--shapes", default="gate_up,down")
+    ap.add_argument("--gate-only", action="store_true", help="gates, no timing (for compute-sanitizer)")
+    args = ap.parse_args()
+    log, results = start_run(args.out, "probe_fused_fp8.log")
+    torch.zeros(1, device="cuda")  # the primary context, current for the driver calls
+    drv = Driver()
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, usage = nvcc_cubin(SOURCE, (), os.path.join(tmp, "fused.cubin"))
+        dump, _ = nvcc_cubin(SOURCE, ("-DDUMP_CORE",), os.path.join(tmp, "fused_dump.cubin"))
+    results["build"] = usage
+    log(f"build: {usage}")
+    fn, fn_dump = drv.function(cubin, "fused_fp8_kernel", SMEM), drv.function(dump, "fused_fp8_kernel", SMEM)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    timer = GraphTimer(replays=10)
+    for shape in args.shapes.split(","):
+        out_f, in_f = SHAPES[shape]
+        ws = weight_set(out_f, in_f, 4 * l2 / 2, seed=len(shape), bits=2)  # row windows: 2x the trellis
+        w_ref = escha.dequantize(ws[0]).double()
+        dense_rot = dense_weights(out_f, in_f, l2)
+        fp8_rot = fp8_weights(dense_rot, l2)
+        fused = Fused(drv, fn, ws)
+        for m in [int(v) for v in args.ms.split(",")]:
+            point = {"shape": shape, "N": out_f, "K": in_f, "M": m, "bits": 2}
+            try:
+                x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+                # Gate 1: the decoded tiles, bit for bit (the DUMP_CORE build; poisoned output).
+                core = torch.full(ws[0].padded_shape, 0xFF, dtype=torch.uint8, device="cuda")
+                xq, xscale = actquant(x, ws[0], fp8=True)
+                Fused(drv, fn_dump, ws[:1], core).gemm(0, xq, xscale)
+                want = dequantize_core(ws[0], torch.float8_e4m3fn)[0].view(torch.uint8)
+                torch.cuda.synchronize()
+                differ = int((core != want).sum())
+                # Gate 2: the whole call against fp64, and z against the plain-core path's GEMM.
+                y = fused(0, x)
+                err = rel_err(y, x.double() @ w_ref.T)
+                err_core = rel_err(dequant_core_fp8(x, ws[0]), x.double() @ w_ref.T)
+                point["gates"] = {"core_values_differ": differ, "rel_err": err, "rel_err_dequant_core_fp8": err_core}
+                ok = differ == 0 and err <= FP8_TOL
+                log(f"gate {shape} M={m}: decoded tiles {'bit-exact' if differ == 0 else f'DIFFER ({differ})'}; "
+                    f"rel err {err:.3e} (dequant_core_fp8 {err_core:.3e})")
+                if ok and not args.gate_only:
+                    xs = [x, torch.randn_like(x)]
+                    arms = {**cublas_arms(xs, dense_rot, fp8_rot),
+                            "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
+                            "core_fp8": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws))}
+                    if m <= 512:
+                        arms["decode_fp8"] = (lambda i: decode_fp8(xs[i % 2], ws[i]), len(ws))
+                    arms["fused"] = (lambda i: fused(i, xs[i % 2]), len(ws))
+                    zbuf = torch.empty((m, ws[0].padded_shape[0]), dtype=torch.bfloat16, device="cuda")
+                    arms["fused_gemm"] = (lambda i: fused.gemm(i, xq, xscale, zbuf), len(ws))
+                    med = time_arms(timer, arms, args.rounds)
+                    point["us"] = med
+                    log(f"{shape} M={m:5d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())
+                        + f"  fused/escha {med['fused'] / med['escha']:.3f} fused/bf16 "
+                        f"{med['fused'] / med['cublas_bf16']:.3f} fused/fp8 {med['fused'] / med['cublas_fp8']:.3f}")
+            except Exception:
+                log(f"{shape} M={m}: " + traceback.format_exc())
+            results["points"].append(point)
+            with open(os.path.join(args.out, "probe_fused_fp8.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        del ws, w_ref, dense_rot, fp8_rot, fused
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
