@@ -26,6 +26,7 @@ from escha.bench.method import round_order
 from escha.bench.report import git_sha
 from escha.kernels import CodecPath, decode, decode_config
 from escha.kernels._bench import Ablation, decode_ablated, decode_kernel_handle
+from escha.kernels.compile_check import cuobjdump, programs_per_sm, res_usage  # noqa: F401 (the census scripts import them from here)
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
 MS = (1, 8, 40, 64)
@@ -153,29 +154,6 @@ def compile_in_child(source: str, tree: str, args: tuple[str, ...] = (), timeout
     if run.returncode != 0:
         raise SystemExit(f"compiling {what} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout)
-
-
-def cuobjdump(cubin: bytes, flag: str) -> str:
-    """``cuobjdump FLAG`` (``-sass``, ``-res-usage``) of a cubin, with the cuobjdump Triton bundles."""
-    import tempfile
-
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
-
-
-def res_usage(cubin: bytes) -> dict[str, int]:
-    """REG, SHARED, STACK, LOCAL of the kernel in a cubin (``cuobjdump -res-usage``)."""
-    return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", cuobjdump(cubin, "-res-usage"))}
-
-
-def programs_per_sm(registers: int, shared: int, threads: int = 128) -> int:
-    """Programs of ``threads`` threads an sm_90 SM holds: 64K registers, allocated 8 a thread at a
-    time, and 228 KB of shared memory, 1 KB of it reserved a program."""
-    return min(65536 // (threads * (-(-registers // 8) * 8)), 233472 // (shared + 1024))
 
 
 def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:

@@ -15,6 +15,7 @@ import torch
 
 from escha.format import dequantize, random_qweight
 from escha.format import input_transform
+from escha.kernels.compile_check import cuobjdump, programs_per_sm, res_usage
 from escha.kernels.decode_wgmma import MEASURED_TRITON, summed_partials
 from escha.kernels.transforms import prepare_input
 
@@ -174,15 +175,6 @@ def _step(ptx: str) -> str:
     return ptx[start:ptx.index("wgmma.wait_group.sync.aligned", start)]
 
 
-def _sass(cubin_hex: str, name: str) -> str:
-    tool = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "cuobjdump")
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".fp8_{name}.cubin")
-    try:
-        with open(path, "wb") as f:
-            f.write(bytes.fromhex(cubin_hex))
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(path)
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -222,7 +214,7 @@ def test_ptx_fp8_mma_from_shared_memory_in_flight(builds, bits, bn):
     else:
         assert loop.count("bar.sync") == 3
         assert re.search(r"bar\.sync\s+0;(\s+(//.*|\.loc.*|\$L\w+:|mov.*|\{|\}|\.reg.*|waitLoop:))*\s+mbarrier\.try_wait", loop)
-    sass = _sass(cubin, f"{bits}_{bn}")
+    sass = cuobjdump(bytes.fromhex(cubin), "-sass")
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)) == 1
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 1
     # Dependent launch: the wait for x' once, after the first word loads and before any activation
@@ -242,18 +234,10 @@ def test_programs_per_sm_is_the_compiled_occupancy(builds, bits, bn):
     from escha.kernels.triton_compat import TRITON_RELEASE
     _, wm, wn, _ = df.BUILDS[bn]
     shared, cubin, _ = builds[(bits, bn)]
-    tool = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "cuobjdump")
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f".fp8_{bits}_{bn}.cubin")
-    try:
-        with open(path, "wb") as f:
-            f.write(bytes.fromhex(cubin))
-        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.remove(path)
-    regs = -(-int(re.search(r"\bREG:(\d+)", text).group(1)) // 8) * 8
-    fits = min(65536 // (32 * wm * wn * regs), 233472 // (shared + 1024))
+    usage = res_usage(bytes.fromhex(cubin))
+    fits = programs_per_sm(usage["REG"], shared, threads=32 * wm * wn)
     if TRITON_RELEASE == MEASURED_TRITON:  # the release measured: exact, and no spills
-        assert int(re.search(r"STACK:(\d+)", text).group(1)) == 0
+        assert usage["STACK"] == 0
         assert df.PROGRAMS_PER_SM[bn] == fits
     else:
         assert df.PROGRAMS_PER_SM[bn] <= fits

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from escha.format import decode_trellis, dequantize, random_qweight
+from escha.kernels.compile_check import programs_per_sm, res_usage
 from escha.format.bitstream import states_from_words
 from escha.format.codebooks import get as codebook
 
@@ -247,26 +248,12 @@ def ptx(tmp_path_factory):
             for k, p in json.loads(run.stdout).items()}
 
 
-def _registers(cubin: bytes) -> int:
-    """Registers per thread of the kernel in a cubin (cuobjdump -res-usage, bundled with Triton)."""
-    import os
-    import subprocess
-    import tempfile
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"\bREG:(\d+)", text).group(1))
-
-
 def test_register_cap_reaches_the_compiler(ptx):
     """A configuration's ``max_registers`` is ptxas's cap: K=2 at 64 tokens builds in 205 registers
     (2 programs an SM) and capped at 168 holds 3 an SM."""
     shared, cubin = ptx[("res", "cap", 64)]
-    regs = _registers(bytes.fromhex(cubin))
-    assert regs <= 168 and min(65536 // (128 * -(-regs // 8) * 8), 233472 // (shared + 1024)) == 3
+    regs = res_usage(bytes.fromhex(cubin))["REG"]
+    assert regs <= 168 and programs_per_sm(regs, shared) == 3
 
 
 @pytest.mark.parametrize("bits,bn", sorted(dw.PROGRAMS_PER_SM))
@@ -279,8 +266,7 @@ def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn):
     programs than fit, never more."""
     from escha.kernels.triton_compat import TRITON_RELEASE
     shared, cubin = ptx[("res", bits, bn)]
-    regs = -(-_registers(bytes.fromhex(cubin)) // 8) * 8
-    fits = min(65536 // (128 * regs), 233472 // (shared + 1024))
+    fits = programs_per_sm(res_usage(bytes.fromhex(cubin))["REG"], shared)
     if TRITON_RELEASE == dw.MEASURED_TRITON:
         assert dw.PROGRAMS_PER_SM[(bits, bn)] == fits
     else:

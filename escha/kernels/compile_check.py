@@ -15,8 +15,12 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import pkgutil
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Callable, Iterator
@@ -24,6 +28,28 @@ from typing import Callable, Iterator
 import torch
 
 KERNEL_SUFFIX = "_kernel"  # every launched @triton.jit / @gluon.jit function is named *_kernel
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """``cuobjdump FLAG`` (``-sass``, ``-res-usage``) of a cubin, with the cuobjdump Triton bundles."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def res_usage(cubin: bytes) -> dict[str, int]:
+    """REG, SHARED, STACK, LOCAL of the kernel in a cubin (``cuobjdump -res-usage``)."""
+    return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|STACK|LOCAL):(\d+)", cuobjdump(cubin, "-res-usage"))}
+
+
+def programs_per_sm(registers: int, shared: int, threads: int = 128) -> int:
+    """Programs of ``threads`` threads an sm_90 SM holds: 64K registers, allocated 8 a thread at a
+    time, and 228 KB of shared memory, 1 KB of it reserved a program."""
+    return min(65536 // (threads * (-(-registers // 8) * 8)), 233472 // (shared + 1024))
 
 
 def kernel_names() -> set[str]:
