@@ -12,8 +12,9 @@
 // xscale[tok] / 64), then transforms.hadamard_output_dense(z) as that path does.
 //
 // Program: BM = 128 weight rows x BN = 256 tokens, the k-blocks of 128 in a ring of STAGES stages.
-// Warpgroup 0 (producer): each thread loads its 8 tile rows' 64-bit windows (row_windows: two tile
-// rows in one 16-byte load, a step ahead), decodes each 16-weight tile row with the exact 3INST
+// Warpgroup 0 (producer): the k-blocks' row windows (row_windows, 8 KB a k-block) arrive by TMA in
+// a ring of their own WSTAGES deep; each thread reads its 8 tile rows' 64-bit windows (two tile
+// rows in one 16-byte load), decodes each 16-weight tile row with the exact 3INST
 // codec (decode_wgmma's pair form: columns c and c + 8 from one funnel shift), multiplies by 64
 // (exact), converts to e4m3 (cvt.rn.satfinite: round to nearest even; |64 T| < 448) and stores
 // the tile row's 16 bytes in the 128-byte swizzled layout wgmma reads; thread 0 also issues the
@@ -31,6 +32,8 @@
 #define W_BYTES (BM * 128)                 // a stage's e4m3 weight tile [128 rows, 128 k]
 #define X_BYTES (BN * 128)                 // a stage's x' tile [256 tokens, 128 k]
 #define STAGE_BYTES (W_BYTES + X_BYTES)
+#define WSTAGES 4                          // the producer's own ring of row windows, by TMA
+#define WIN_BYTES (BM / 16 * 8 * 128)      // a k-block's windows: 8 row tiles x 8 k tiles x 128 bytes
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -145,14 +148,17 @@ __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t da, u
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-    fused_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ windows,
+    fused_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                      const float* __restrict__ xscale, __nv_bfloat16* __restrict__ z, uint4* __restrict__ core,
                      int M, int Np, int Kp) {
   extern __shared__ __align__(1024) uint8_t raw[];
   const uint32_t base = smem_u32(raw);
   if (base & 1023u) __trap();  // the swizzle needs 1024-byte aligned tiles (see probe_cuda_loop.cu)
-  // stage i: its weight tile at base + i STAGE_BYTES, its x' tile W_BYTES after; the mbarriers after the ring
-  const uint32_t bars = base + STAGES * STAGE_BYTES;  // full[i] at bars + 8 i, empty[i] at bars + 8 (STAGES + i)
+  // stage i: its weight tile at base + i STAGE_BYTES, its x' tile W_BYTES after; the windows' ring
+  // after the stages, then the mbarriers: full[i] at bars + 8 i, empty[i] at bars + 8 (STAGES + i),
+  // the windows' wfull[j] at bars + 8 (2 STAGES + j)
+  const uint32_t wins = base + STAGES * STAGE_BYTES;
+  const uint32_t bars = wins + WSTAGES * WIN_BYTES;
   const int NKB = Kp / 128, TK = Kp / 16;
   const int row0 = blockIdx.x * BM, tok0 = blockIdx.y * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -161,19 +167,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(bars + 8 * i, 5);                 // four producer warps and the x' copy's expect
       mbar_init(bars + 8 * (STAGES + i), 2);      // one arrival a consumer warpgroup
     }
+    for (int j = 0; j < WSTAGES; ++j) mbar_init(bars + 8 * (2 * STAGES + j), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   if (wg == 0) {  // the producer: warp w decodes the tile rows of row tiles 2w and 2w + 1
-    // load i (0..3) of a thread: row tile 2w + i / 2, k tile (i % 2) 4 + lane / 8, tile rows
-    // 2 (lane % 8) and + 1 (row_windows' [TN, TK, 16, 2] int32: two tile rows are 16 bytes)
-    uint4 next[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      next[i] = windows[((static_cast<long long>(row0 / 16 + 2 * warp + i / 2) * TK) + (i % 2) * 4 + lane / 8) * 8 + lane % 8];
+    if (threadIdx.x == 0) {  // the first WSTAGES k-blocks' windows
+      for (int j = 0; j < WSTAGES && j < NKB; ++j) {
+        mbar_expect(bars + 8 * (2 * STAGES + j), WIN_BYTES);
+        tma_2d(wins + j * WIN_BYTES, &w_map, bars + 8 * (2 * STAGES + j), j * 256, row0 / 16);
+      }
+    }
     for (int kb = 0; kb < NKB; ++kb) {
-      const int stage = kb % STAGES;
+      const int stage = kb % STAGES, ws = kb % WSTAGES;
       const uint32_t phase = (kb / STAGES) & 1;
       if (kb >= STAGES) mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
       const uint32_t wdst = base + stage * STAGE_BYTES;
@@ -181,14 +188,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         mbar_expect(bars + 8 * stage, X_BYTES);
         tma_2d(wdst + W_BYTES, &x_map, bars + 8 * stage, kb * 128, tok0);
       }
+      // load i (0..3) of a thread: row tile 2w + i / 2, k tile (i % 2) 4 + lane / 8, tile rows
+      // 2 (lane % 8) and + 1 (the box: [8 row tiles, 8 k tiles x 16 rows x (hi, lo)] int32)
+      mbar_wait(bars + 8 * (2 * STAGES + ws), (kb / WSTAGES) & 1);
       uint4 cur[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) cur[i] = next[i];
-      if (kb + 1 < NKB) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          next[i] = windows[((static_cast<long long>(row0 / 16 + 2 * warp + i / 2) * TK) + (kb + 1) * 8 + (i % 2) * 4 +
-                             lane / 8) * 8 + lane % 8];
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t src = wins + ws * WIN_BYTES + (2 * warp + i / 2) * 1024 + ((i % 2) * 4 + lane / 8) * 128 + (lane % 8) * 16;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w) : "r"(src) : "memory");
+      }
+      // every producer thread has its windows: thread 0 refills the buffer (WSTAGES k-blocks ahead)
+      asm volatile("bar.sync 1, 128;" ::: "memory");
+      if (threadIdx.x == 0 && kb + WSTAGES < NKB) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_expect(bars + 8 * (2 * STAGES + ws), WIN_BYTES);
+        tma_2d(wins + ws * WIN_BYTES, &w_map, bars + 8 * (2 * STAGES + ws), (kb + WSTAGES) * 256, row0 / 16);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {

@@ -15,7 +15,8 @@ tiles out), launches it through the CUDA driver API (``probe_cuda_loop.Driver``)
 - times, at each token count: escha.matmul's rule, the plain-core path (``dequant_core_fp8``),
   the fp8 decode GEMM (``decode_fp8``, to 512 tokens), the fused call (actquant, the fused
   kernel, the output pass) and the fused kernel alone, beside cuBLAS bf16 and fp8 (operands
-  already e4m3). One process, weights rotated past L2, one CUDA graph an arm, interleaved
+  already e4m3); up to 256 tokens also one wave of its programs alone (``fused_gemm_wave``, the
+  first row blocks only: the time of one round of a grid that takes more than one). One process, weights rotated past L2, one CUDA graph an arm, interleaved
   rounds, median.
 
 Nothing in the library changes. ``nvcc`` must be on PATH (the H200 image has 13.0).
@@ -54,11 +55,12 @@ from bench_decode_wgmma import (
     start_run,
     time_arms,
 )
-from probe_cuda_loop import _SWIZZLE_128B, _U8, Driver, nvcc_cubin
+from probe_cuda_loop import _I32, _SWIZZLE_128B, _SWIZZLE_NONE, _U8, Driver, nvcc_cubin
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_fused_fp8.cu")
-BM, BN, STAGES, THREADS = 128, 256, 3, 384
-SMEM = STAGES * (BM * 128 + BN * 128) + 2 * STAGES * 8 + 1024
+BM, BN, STAGES, WSTAGES, THREADS = 128, 256, 3, 4, 384
+WIN_BYTES = BM // 16 * 8 * 128  # a k-block's row windows for the program's rows
+SMEM = STAGES * (BM * 128 + BN * 128) + WSTAGES * WIN_BYTES + (2 * STAGES + WSTAGES) * 8 + 1024
 FP8_TOL = 0.077  # the fp8 paths' bound on the whole call against fp64 (tests/test_decode_fp8.py)
 
 
@@ -68,21 +70,25 @@ class Fused:
 
     def __init__(self, drv: Driver, fn, weights: list, core: torch.Tensor | None = None) -> None:
         self.drv, self.fn, self.weights = drv, fn, weights
+        # row windows [TN, TK, 16, 2] int32 as [TN, TK * 32]: a k-block's box is 8 row tiles x 256
         self.windows = [row_windows(w.trellis, w.bits).contiguous() for w in weights]
+        self.w_maps = [drv.tensor_map(v.view(v.shape[0], -1), _I32, (256, BM // 16), _SWIZZLE_NONE)
+                       for v in self.windows]
         self.core = core
 
-    def gemm(self, i: int, xq: torch.Tensor, xscale: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    def gemm(self, i: int, xq: torch.Tensor, xscale: torch.Tensor, z: torch.Tensor | None = None,
+             programs: int | None = None) -> torch.Tensor:
+        """z for weight i (``programs``: only the first row blocks, one program each; timing only)."""
         qw = self.weights[i]
         np_, kp = qw.padded_shape
         m = xq.shape[0]
         if z is None:
             z = torch.empty((m, np_), dtype=torch.bfloat16, device=xq.device)
         x_map = self.drv.tensor_map(xq.view(torch.uint8), _U8, (128, BN), _SWIZZLE_128B)
-        args = [x_map] + [ctypes.c_uint64(t.data_ptr()) for t in
-                          (self.windows[i], xscale, z)] + [ctypes.c_uint64(0 if self.core is None else
-                                                                           self.core.data_ptr())]
+        args = [x_map, self.w_maps[i]] + [ctypes.c_uint64(t.data_ptr()) for t in (xscale, z)]
+        args += [ctypes.c_uint64(0 if self.core is None else self.core.data_ptr())]
         args += [ctypes.c_int32(v) for v in (m, np_, kp)]
-        self.drv.launch(self.fn, (np_ // BM, -(-m // BN)), THREADS, SMEM, args)
+        self.drv.launch(self.fn, (min(np_ // BM, programs or np_), -(-m // BN)), THREADS, SMEM, args)
         return z
 
     def __call__(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -148,6 +154,9 @@ def main() -> int:
                     arms["fused"] = (lambda i: fused(i, xs[i % 2]), len(ws))
                     zbuf = torch.empty((m, ws[0].padded_shape[0]), dtype=torch.bfloat16, device="cuda")
                     arms["fused_gemm"] = (lambda i: fused.gemm(i, xq, xscale, zbuf), len(ws))
+                    if m <= BN:  # one wave of programs alone (a part of the product): the time a round takes
+                        sms = torch.cuda.get_device_properties(0).multi_processor_count
+                        arms["fused_gemm_wave"] = (lambda i: fused.gemm(i, xq, xscale, zbuf, programs=sms), len(ws))
                     med = time_arms(timer, arms, args.rounds)
                     point["us"] = med
                     log(f"{shape} M={m:5d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())
@@ -158,8 +167,6 @@ def main() -> int:
             results["points"].append(point)
             with open(os.path.join(args.out, "probe_fused_fp8.json"), "w") as f:
                 json.dump(results, f, indent=1)
-        del ws, w_ref, dense_rot, fp8_rot, fused
-        torch.cuda.empty_cache()
     return 0
 
 
