@@ -26,9 +26,16 @@
 #include <stdint.h>
 
 #define BM 128
-#define BN 256
+#ifndef BN
+#define BN 256                             // tokens a program: 256, or 128 (PRODUCERS = 2)
+#endif
+#ifndef PRODUCERS
+#define PRODUCERS 1                        // producer warpgroups: 1, or 2 (BN = 128: 128 registers)
+#endif
+#define PRODUCER_WARPS (4 * PRODUCERS)
+#define TILES_PER_WARP (8 / PRODUCER_WARPS)  // 16-row tiles a producer warp decodes a stage
 #define STAGES 3
-#define THREADS 384
+#define THREADS (128 * (PRODUCERS + 2))
 #define W_BYTES (BM * 128)                 // a stage's e4m3 weight tile [128 rows, 128 k]
 #define X_BYTES (BN * 128)                 // a stage's x' tile [256 tokens, 128 k]
 #define STAGE_BYTES (W_BYTES + X_BYTES)
@@ -147,6 +154,33 @@ __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t da, u
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// One m64n128k32 e4m3 MMA (BN = 128), as above.
+__device__ __forceinline__ void wgmma_m64nk32(float (&d)[64], uint64_t da, uint64_t db, uint32_t accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+#if BN == 256
+#define WGMMA wgmma_m64n256k32
+#else
+#define WGMMA wgmma_m64nk32
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fused_fp8_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                      const float* __restrict__ xscale, __nv_bfloat16* __restrict__ z, uint4* __restrict__ core,
@@ -162,9 +196,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const int NKB = Kp / 128, TK = Kp / 16;
   const int row0 = blockIdx.x * BM, tok0 = blockIdx.y * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int pwarp = threadIdx.x / 32;  // a producer warp's index, 0 .. PRODUCER_WARPS - 1
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
-      mbar_init(bars + 8 * i, 5);                 // four producer warps and the x' copy's expect
+      mbar_init(bars + 8 * i, PRODUCER_WARPS + 1);  // the producer warps and the x' copy's expect
       mbar_init(bars + 8 * (STAGES + i), 2);      // one arrival a consumer warpgroup
     }
     for (int j = 0; j < WSTAGES; ++j) mbar_init(bars + 8 * (2 * STAGES + j), 1);
@@ -172,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   }
   __syncthreads();
 
-  if (wg == 0) {  // the producer: warp w decodes the tile rows of row tiles 2w and 2w + 1
+  if (wg < PRODUCERS) {  // the producers: warp w decodes row tiles TILES_PER_WARP w .. TILES_PER_WARP (w + 1) - 1
     if (threadIdx.x == 0) {  // the first WSTAGES k-blocks' windows
       for (int j = 0; j < WSTAGES && j < NKB; ++j) {
         mbar_expect(bars + 8 * (2 * STAGES + j), WIN_BYTES);
@@ -188,29 +223,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         mbar_expect(bars + 8 * stage, X_BYTES);
         tma_2d(wdst + W_BYTES, &x_map, bars + 8 * stage, kb * 128, tok0);
       }
-      // load i (0..3) of a thread: row tile 2w + i / 2, k tile (i % 2) 4 + lane / 8, tile rows
-      // 2 (lane % 8) and + 1 (the box: [8 row tiles, 8 k tiles x 16 rows x (hi, lo)] int32)
+      // load i of a thread: row tile TILES_PER_WARP w + i / 2, k tile (i % 2) 4 + lane / 8, tile
+      // rows 2 (lane % 8) and + 1 (the box: [8 row tiles, 8 k tiles x 16 rows x (hi, lo)] int32)
       mbar_wait(bars + 8 * (2 * STAGES + ws), (kb / WSTAGES) & 1);
-      uint4 cur[4];
+      uint4 cur[2 * TILES_PER_WARP];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t src = wins + ws * WIN_BYTES + (2 * warp + i / 2) * 1024 + ((i % 2) * 4 + lane / 8) * 128 + (lane % 8) * 16;
+      for (int i = 0; i < 2 * TILES_PER_WARP; ++i) {
+        const uint32_t src = wins + ws * WIN_BYTES + (TILES_PER_WARP * pwarp + i / 2) * 1024 + ((i % 2) * 4 + lane / 8) * 128 + (lane % 8) * 16;
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w) : "r"(src) : "memory");
       }
       // every producer thread has its windows: thread 0 refills the buffer (WSTAGES k-blocks ahead)
-      asm volatile("bar.sync 1, 128;" ::: "memory");
+      asm volatile("bar.sync 1, %0;" ::"n"(128 * PRODUCERS) : "memory");
       if (threadIdx.x == 0 && kb + WSTAGES < NKB) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         mbar_expect(bars + 8 * (2 * STAGES + ws), WIN_BYTES);
         tma_2d(wins + ws * WIN_BYTES, &w_map, bars + 8 * (2 * STAGES + ws), (kb + WSTAGES) * 256, row0 / 16);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 2 * TILES_PER_WARP; ++i) {
         const int kt = (i % 2) * 4 + lane / 8;  // k tile inside the block: the 16-byte chunk of a row
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = (2 * warp + i / 2) * 16 + 2 * (lane % 8) + h;  // row inside the stage's tile
+          const int r = (TILES_PER_WARP * pwarp + i / 2) * 16 + 2 * (lane % 8) + h;  // row inside the stage's tile
           const uint4 v = h == 0 ? tile_row_e4m3(cur[i].x, cur[i].y) : tile_row_e4m3(cur[i].z, cur[i].w);
           const uint32_t dst = wdst + r * 128 + ((kt ^ (r & 7)) << 4);
           asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
@@ -228,11 +263,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     return;
   }
 
-  // The consumers: warpgroup c = wg - 1 multiplies weight rows 64 c .. 64 c + 63 by the 256 tokens.
-  const int c = wg - 1;
-  float acc[128];
+  // The consumers: warpgroup c multiplies weight rows 64 c .. 64 c + 63 by the BN tokens.
+  const int c = wg - PRODUCERS;
+  float acc[BN / 2];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
   for (int kb = 0; kb < NKB; ++kb) {
     const int stage = kb % STAGES;
     mbar_wait(bars + 8 * stage, (kb / STAGES) & 1);
@@ -240,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const uint64_t da = smem_desc(wsrc + c * 64 * 128), db = smem_desc(wsrc + W_BYTES);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma_m64n256k32(acc, da + 2 * s, db + 2 * s, (kb > 0) | (s > 0));  // +32 bytes a k-step
+    for (int s = 0; s < 4; ++s) WGMMA(acc, da + 2 * s, db + 2 * s, (kb > 0) | (s > 0));  // +32 bytes a k-step
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the previous stage's MMAs are done
     if (kb > 0 && threadIdx.x % 128 == 0) mbar_arrive(bars + 8 * (STAGES + (kb - 1) % STAGES));
@@ -252,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const int g = lane / 4, t = lane % 4;
   const int row = row0 + c * 64 + warp * 16 + g;
 #pragma unroll
-  for (int j = 0; j < 128; ++j) {
+  for (int j = 0; j < BN / 2; ++j) {
     const int tok = tok0 + 8 * (j / 4) + 2 * t + (j % 2);
     if (tok < M) z[static_cast<long long>(tok) * Np + row + 8 * ((j / 2) % 2)] = __float2bfloat16_rn(acc[j] * xscale[tok] * 0.015625f);
   }

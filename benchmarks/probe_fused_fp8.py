@@ -12,6 +12,9 @@ tiles out), launches it through the CUDA driver API (``probe_cuda_loop.Driver``)
 
 - gates it: the decoded tiles bit for bit against ``dequantize_core(qw, e4m3)`` (the DUMP_CORE
   build, NaN-poisoned output), and the whole product against fp64 within the fp8 paths' bound;
+- builds it also with two producer warpgroups beside consumers of 128 tokens (``_p2n128``: at
+  512 threads a program every thread has 128 registers, which only 64-accumulator consumers fit),
+  to see whether the decode's rate grows with its warps;
 - times, at each token count: escha.matmul's rule, the plain-core path (``dequant_core_fp8``),
   the fp8 decode GEMM (``decode_fp8``, to 512 tokens), the fused call (actquant, the fused
   kernel, the output pass) and the fused kernel alone, beside cuBLAS bf16 and fp8 (operands
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import sys
@@ -58,9 +62,30 @@ from bench_decode_wgmma import (
 from probe_cuda_loop import _I32, _SWIZZLE_128B, _SWIZZLE_NONE, _U8, Driver, nvcc_cubin
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_fused_fp8.cu")
-BM, BN, STAGES, WSTAGES, THREADS = 128, 256, 3, 4, 384
+BM, STAGES, WSTAGES = 128, 3, 4
 WIN_BYTES = BM // 16 * 8 * 128  # a k-block's row windows for the program's rows
-SMEM = STAGES * (BM * 128 + BN * 128) + WSTAGES * WIN_BYTES + (2 * STAGES + WSTAGES) * 8 + 1024
+# The builds timed: arm suffix -> (tokens a program BN, producer warpgroups). "" is the design
+# (one producer warpgroup, 256 tokens: 168 registers); "_p2n128" has two producer warpgroups,
+# which fit in the registers (128 a thread at 512 threads) only beside 128-token consumers.
+VARIANTS = {"": (256, 1), "_p2n128": (128, 2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One build of the kernel: its function, tokens a program, threads and shared memory."""
+
+    fn: object
+    bn: int
+    threads: int
+    smem: int
+
+
+def build_variant(drv: Driver, tmp: str, bn: int, producers: int, dump: bool) -> tuple[Build, str]:
+    """The kernel built for sm_90a at (bn, producers), with DUMP_CORE if ``dump``, loaded."""
+    defines = (f"-DBN={bn}", f"-DPRODUCERS={producers}") + (("-DDUMP_CORE",) if dump else ())
+    cubin, usage = nvcc_cubin(SOURCE, defines, os.path.join(tmp, f"fused_{bn}_{producers}_{int(dump)}.cubin"))
+    smem = STAGES * (BM * 128 + bn * 128) + WSTAGES * WIN_BYTES + (2 * STAGES + WSTAGES) * 8 + 1024
+    return Build(drv.function(cubin, "fused_fp8_kernel", smem), bn, 128 * (producers + 2), smem), usage
 FP8_TOL = 0.077  # the fp8 paths' bound on the whole call against fp64 (tests/test_decode_fp8.py)
 
 
@@ -68,8 +93,8 @@ class Fused:
     """The fused kernel's launches for a set of weights: ``gemm(i, xq, xscale)`` writes z for
     weight i; ``__call__(i, x)`` is the whole call (actquant, the kernel, the output pass)."""
 
-    def __init__(self, drv: Driver, fn, weights: list, core: torch.Tensor | None = None) -> None:
-        self.drv, self.fn, self.weights = drv, fn, weights
+    def __init__(self, drv: Driver, build: Build, weights: list, core: torch.Tensor | None = None) -> None:
+        self.drv, self.build, self.weights = drv, build, weights
         # row windows [TN, TK, 16, 2] int32 as [TN, TK * 32]: a k-block's box is 8 row tiles x 256
         self.windows = [row_windows(w.trellis, w.bits).contiguous() for w in weights]
         self.w_maps = [drv.tensor_map(v.view(v.shape[0], -1), _I32, (256, BM // 16), _SWIZZLE_NONE)
@@ -84,11 +109,12 @@ class Fused:
         m = xq.shape[0]
         if z is None:
             z = torch.empty((m, np_), dtype=torch.bfloat16, device=xq.device)
-        x_map = self.drv.tensor_map(xq.view(torch.uint8), _U8, (128, BN), _SWIZZLE_128B)
+        b = self.build
+        x_map = self.drv.tensor_map(xq.view(torch.uint8), _U8, (128, b.bn), _SWIZZLE_128B)
         args = [x_map, self.w_maps[i]] + [ctypes.c_uint64(t.data_ptr()) for t in (xscale, z)]
         args += [ctypes.c_uint64(0 if self.core is None else self.core.data_ptr())]
         args += [ctypes.c_int32(v) for v in (m, np_, kp)]
-        self.drv.launch(self.fn, (min(np_ // BM, programs or np_), -(-m // BN)), THREADS, SMEM, args)
+        self.drv.launch(b.fn, (min(np_ // BM, programs or np_), -(-m // b.bn)), b.threads, b.smem, args)
         return z
 
     def __call__(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -110,12 +136,13 @@ def main() -> int:
     log, results = start_run(args.out, "probe_fused_fp8.log")
     torch.zeros(1, device="cuda")  # the primary context, current for the driver calls
     drv = Driver()
+    builds, dumps = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        cubin, usage = nvcc_cubin(SOURCE, (), os.path.join(tmp, "fused.cubin"))
-        dump, _ = nvcc_cubin(SOURCE, ("-DDUMP_CORE",), os.path.join(tmp, "fused_dump.cubin"))
-    results["build"] = usage
-    log(f"build: {usage}")
-    fn, fn_dump = drv.function(cubin, "fused_fp8_kernel", SMEM), drv.function(dump, "fused_fp8_kernel", SMEM)
+        for suffix, (bn, producers) in VARIANTS.items():
+            builds[suffix], usage = build_variant(drv, tmp, bn, producers, False)
+            dumps[suffix], _ = build_variant(drv, tmp, bn, producers, True)
+            results.setdefault("builds", {})["fused" + suffix] = usage
+            log(f"build fused{suffix} (BN={bn}, {producers} producer warpgroups): {usage}")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     timer = GraphTimer(replays=10)
     for shape in args.shapes.split(","):
@@ -124,26 +151,29 @@ def main() -> int:
         w_ref = escha.dequantize(ws[0]).double()
         dense_rot = dense_weights(out_f, in_f, l2)
         fp8_rot = fp8_weights(dense_rot, l2)
-        fused = Fused(drv, fn, ws)
+        fused = {suffix: Fused(drv, b, ws) for suffix, b in builds.items()}
         for m in [int(v) for v in args.ms.split(",")]:
             point = {"shape": shape, "N": out_f, "K": in_f, "M": m, "bits": 2}
             try:
                 x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
-                # Gate 1: the decoded tiles, bit for bit (the DUMP_CORE build; poisoned output).
-                core = torch.full(ws[0].padded_shape, 0xFF, dtype=torch.uint8, device="cuda")
                 xq, xscale = actquant(x, ws[0], fp8=True)
-                Fused(drv, fn_dump, ws[:1], core).gemm(0, xq, xscale)
                 want = dequantize_core(ws[0], torch.float8_e4m3fn)[0].view(torch.uint8)
-                torch.cuda.synchronize()
-                differ = int((core != want).sum())
-                # Gate 2: the whole call against fp64, and z against the plain-core path's GEMM.
-                y = fused(0, x)
-                err = rel_err(y, x.double() @ w_ref.T)
-                err_core = rel_err(dequant_core_fp8(x, ws[0]), x.double() @ w_ref.T)
-                point["gates"] = {"core_values_differ": differ, "rel_err": err, "rel_err_dequant_core_fp8": err_core}
-                ok = differ == 0 and err <= FP8_TOL
-                log(f"gate {shape} M={m}: decoded tiles {'bit-exact' if differ == 0 else f'DIFFER ({differ})'}; "
-                    f"rel err {err:.3e} (dequant_core_fp8 {err_core:.3e})")
+                ok, point["gates"] = True, {}
+                for suffix in builds:
+                    # Gate 1: the decoded tiles, bit for bit (the DUMP_CORE build; poisoned output).
+                    core = torch.full(ws[0].padded_shape, 0xFF, dtype=torch.uint8, device="cuda")
+                    Fused(drv, dumps[suffix], ws[:1], core).gemm(0, xq, xscale)
+                    torch.cuda.synchronize()
+                    differ = int((core != want).sum())
+                    # Gate 2: the whole call against fp64, beside the plain-core path's.
+                    err = rel_err(fused[suffix](0, x), x.double() @ w_ref.T)
+                    err_core = rel_err(dequant_core_fp8(x, ws[0]), x.double() @ w_ref.T)
+                    point["gates"]["fused" + suffix] = {"core_values_differ": differ, "rel_err": err,
+                                                        "rel_err_dequant_core_fp8": err_core}
+                    ok &= differ == 0 and err <= FP8_TOL
+                    log(f"gate {shape} M={m} fused{suffix}: decoded tiles "
+                        f"{'bit-exact' if differ == 0 else f'DIFFER ({differ})'}; rel err {err:.3e} "
+                        f"(dequant_core_fp8 {err_core:.3e})")
                 if ok and not args.gate_only:
                     xs = [x, torch.randn_like(x)]
                     arms = {**cublas_arms(xs, dense_rot, fp8_rot),
@@ -151,12 +181,14 @@ def main() -> int:
                             "core_fp8": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws))}
                     if m <= 512:
                         arms["decode_fp8"] = (lambda i: decode_fp8(xs[i % 2], ws[i]), len(ws))
-                    arms["fused"] = (lambda i: fused(i, xs[i % 2]), len(ws))
                     zbuf = torch.empty((m, ws[0].padded_shape[0]), dtype=torch.bfloat16, device="cuda")
-                    arms["fused_gemm"] = (lambda i: fused.gemm(i, xq, xscale, zbuf), len(ws))
-                    if m <= BN:  # one wave of programs alone (a part of the product): the time a round takes
-                        sms = torch.cuda.get_device_properties(0).multi_processor_count
-                        arms["fused_gemm_wave"] = (lambda i: fused.gemm(i, xq, xscale, zbuf, programs=sms), len(ws))
+                    sms = torch.cuda.get_device_properties(0).multi_processor_count
+                    for suffix, f in fused.items():
+                        arms["fused" + suffix] = (lambda i, f=f: f(i, xs[i % 2]), len(ws))
+                        arms["fused_gemm" + suffix] = (lambda i, f=f: f.gemm(i, xq, xscale, zbuf), len(ws))
+                        if m <= f.build.bn:  # one wave of programs alone (a part of the product): a round's time
+                            arms["fused_gemm_wave" + suffix] = (lambda i, f=f: f.gemm(i, xq, xscale, zbuf, programs=sms),
+                                                                len(ws))
                     med = time_arms(timer, arms, args.rounds)
                     point["us"] = med
                     log(f"{shape} M={m:5d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())

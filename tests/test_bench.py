@@ -835,20 +835,23 @@ def test_cuda_loop_probe_builds_register_operand_wgmma_without_smem_stores():
 def test_fused_fp8_probe_builds_smem_fp8_wgmma_with_the_decode_in_registers():
     """probe_fused_fp8.cu builds for sm_90a without spills into fp8 MMAs on shared-memory
     operands (QGMMA 64x256x32 e4m3, both descriptors), its decode converting to e4m3 in registers
-    (F2FP) and storing whole 16-byte tile rows (STS.128 only); the DUMP_CORE build adds the
-    global stores of the decoded tiles and nothing else changes in the MMAs."""
+    (F2FP) and storing whole 16-byte tile rows (STS.128 only), also as the variant with two
+    producer warpgroups and 128 tokens (64x128x32); the DUMP_CORE build adds the global stores of
+    the decoded tiles."""
     import tempfile
     probe = _script("probe_fused_fp8")
     bench = _script("bench_decode")
     builds = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, defines in (("plain", ()), ("dump", ("-DDUMP_CORE",))):
+        for name, defines in (("plain", ()), ("dump", ("-DDUMP_CORE",)),
+                              ("p2n128", ("-DBN=128", "-DPRODUCERS=2"))):
             cubin, usage = probe.nvcc_cubin(probe.SOURCE, defines, os.path.join(tmp, f"{name}.cubin"))
             assert "0 bytes spill stores" in usage, usage
             builds[name] = bench.sass_instructions(bench.cuobjdump(cubin, "-sass"))[0]
-    for instrs in builds.values():
+    for name, instrs in builds.items():
         mma = [t for t in instrs if "GMMA" in t]
-        assert mma and all(t.startswith("QGMMA.64x256x32.F32.E4M3.E4M3 R24, gdesc[") for t in mma), mma[:2]
+        shape = "64x128x32" if name == "p2n128" else "64x256x32"
+        assert mma and all(re.match(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, gdesc\[", t) for t in mma), mma[:2]
         assert any(t.startswith("F2FP.SATFINITE.E4M3.F16") for t in instrs)
         sts = [t for t in instrs if t.split()[0].startswith("STS")]
         assert sts and all(t.startswith("STS.128") for t in sts)
