@@ -17,8 +17,7 @@
 // each as two 128-byte-swizzled boxes of 64 columns, 1024 bytes each at BN = 8), the even split
 // of row tiles x k-blocks over the programs, and the partials [segments, M, Np] fp32.
 // MINB (compile-time): programs an SM the register budget is set for (160 threads a program).
-#include <cuda.h>
-#include <stdint.h>
+#include "probe_sm90.cuh"
 
 #ifndef MINB
 #define MINB 4
@@ -28,40 +27,6 @@
 #define THREADS 160
 #define X_BOX_BYTES (BN * 64 * 2)                 // one [BN, 64] fp16 box
 #define STAGE_BYTES (4 * X_BOX_BYTES + 1024 * 4)  // two copies of x' (two boxes each) + the words
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
 
 // The halves codec of one 64-bit row window (hi, lo) at tile column s: the lop3 words of columns
 // s and s + 8, which are the A registers themselves (their fp16 halves lo, hi). decode_wgmma's
@@ -85,13 +50,6 @@ __device__ __forceinline__ void wgmma_n8(float (&d)[4], const uint32_t (&a)[4], 
       " wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
-}
-
-// wgmma's B operand descriptor: K-major, 128-byte swizzle (bits 62-63 = 1), start address >> 4;
-// the stride between 8-row groups 1024 bytes (bits 32-45; one group at BN = 8), the leading
-// offset unused with the swizzle (bits 16-29, 16 bytes).
-__device__ __forceinline__ uint64_t b_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
@@ -167,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
       for (int s = 0; s < 8; ++s)
 #pragma unroll
         for (int r = 0; r < 4; ++r) halves(hi[r], lo[r], s, a[s][r], b[s][r]);
-      const uint64_t d0 = b_desc(dst), d1 = b_desc(dst + 2 * X_BOX_BYTES);
+      const uint64_t d0 = smem_desc(dst), d1 = smem_desc(dst + 2 * X_BOX_BYTES);
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
       // k-slice s: bytes 32 (s % 4) of the 128-byte rows of box s / 4 (added to the address field)
 #pragma unroll

@@ -21,9 +21,8 @@
 // stage's x' copy. Warpgroups 1 and 2 (consumers, weight rows 64 c .. 64 c + 63): four
 // m64n256k32 MMAs a stage, one group in flight (each stage is released when the next one's MMAs
 // are issued). With DUMP_CORE the producer also writes its tiles to global memory (the gate).
-#include <cuda.h>
+#include "probe_sm90.cuh"
 #include <cuda_bf16.h>
-#include <stdint.h>
 
 #define BM 128
 #ifndef BN
@@ -41,45 +40,6 @@
 #define STAGE_BYTES (W_BYTES + X_BYTES)
 #define WSTAGES 4                          // the producer's own ring of row windows, by TMA
 #define WIN_BYTES (BM / 16 * 8 * 128)      // a k-block's windows: 8 row tiles x 8 k tiles x 128 bytes
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
-
-// K-major operand descriptor, 128-byte swizzle: start address >> 4, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
 
 // e4m3(64 T) of columns c and c + 8 of a K = 2 tile row, t = funnel(hi, lo, 2c): the exact 3INST
 // values (decode_wgmma's _PAIR_VALUES_ASM), times 64 in fp16 (exact), both rounded to e4m3 at once.
@@ -193,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   // the windows' wfull[j] at bars + 8 (2 STAGES + j)
   const uint32_t wins = base + STAGES * STAGE_BYTES;
   const uint32_t bars = wins + WSTAGES * WIN_BYTES;
-  const int NKB = Kp / 128, TK = Kp / 16;
+  const int NKB = Kp / 128;
   const int row0 = blockIdx.x * BM, tok0 = blockIdx.y * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int pwarp = threadIdx.x / 32;  // a producer warp's index, 0 .. PRODUCER_WARPS - 1

@@ -82,7 +82,9 @@
 #                  warpgroup decoding e4m3(64 T) tiles into shared memory beside two consumer
 #                  warpgroups' fp8 wgmma), gated (decoded tiles bit for bit, the product against
 #                  fp64) and timed beside escha's paths and cuBLAS at FUSED_MS (default 128-2048
-#                  tokens) on gate_up and down; then memcheck of its gates (down, 300 tokens).
+#                  tokens) on gate_up and down, as built (one producer warpgroup, 256 tokens) and
+#                  with two producer warpgroups beside 128-token consumers (the "_p2n128" arms);
+#                  then memcheck of both builds' gates (down, 300 tokens).
 # PHASE "fp8-check": compute-sanitizer memcheck and racecheck of decode_fp8 at every token block's
 #                  build, then bench_decode_fp8.py at FP8_MS (default 32-128 tokens) at K = 2 and 3.
 # PHASE "k3":      the rule's K=3 register cap (32 and 64 tokens, 128 registers): compute-sanitizer
