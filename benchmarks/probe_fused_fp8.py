@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -177,18 +178,18 @@ def main() -> int:
                 if ok and not args.gate_only:
                     xs = [x, torch.randn_like(x)]
                     arms = {**cublas_arms(xs, dense_rot, fp8_rot),
-                            "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
-                            "core_fp8": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws))}
+                            "escha": (lambda i, xs=xs, ws=ws: escha.matmul(xs[i % 2], ws[i]), len(ws)),
+                            "core_fp8": (lambda i, xs=xs, ws=ws: dequant_core_fp8(xs[i % 2], ws[i]), len(ws))}
                     if m <= 512:
-                        arms["decode_fp8"] = (lambda i: decode_fp8(xs[i % 2], ws[i]), len(ws))
+                        arms["decode_fp8"] = (lambda i, xs=xs, ws=ws: decode_fp8(xs[i % 2], ws[i]), len(ws))
                     zbuf = torch.empty((m, ws[0].padded_shape[0]), dtype=torch.bfloat16, device="cuda")
                     sms = torch.cuda.get_device_properties(0).multi_processor_count
                     for suffix, f in fused.items():
-                        arms["fused" + suffix] = (lambda i, f=f: f(i, xs[i % 2]), len(ws))
-                        arms["fused_gemm" + suffix] = (lambda i, f=f: f.gemm(i, xq, xscale, zbuf), len(ws))
+                        arms["fused" + suffix] = (lambda i, f=f, xs=xs: f(i, xs[i % 2]), len(ws))
+                        gemm = functools.partial(f.gemm, xq=xq, xscale=xscale, z=zbuf)
+                        arms["fused_gemm" + suffix] = (gemm, len(ws))
                         if m <= f.build.bn:  # one wave of programs alone (a part of the product): a round's time
-                            arms["fused_gemm_wave" + suffix] = (lambda i, f=f: f.gemm(i, xq, xscale, zbuf, programs=sms),
-                                                                len(ws))
+                            arms["fused_gemm_wave" + suffix] = (functools.partial(gemm, programs=sms), len(ws))
                     med = time_arms(timer, arms, args.rounds)
                     point["us"] = med
                     log(f"{shape} M={m:5d} " + " ".join(f"{k} {v:7.1f}" for k, v in med.items())
