@@ -88,7 +88,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
         mbar_expect(full, STAGE_BYTES);
         tma_2d(dst + 4 * X_BOX_BYTES, &w_map, full, 0, (((tile / 2) * NKB + kb) * 2 + tile % 2) * 8);
         for (int c = 0; c < 2; ++c)
-          for (int b = 0; b < 2; ++b) tma_2d(dst + (2 * c + b) * X_BOX_BYTES, &x_map, full, (kb * 2 + c) * 128 + b * 64, row0);
+          for (int b = 0; b < 2; ++b)
+            tma_2d(dst + (2 * c + b) * X_BOX_BYTES, &x_map, full, (kb * 2 + c) * 128 + b * 64, row0);
         if (++kb == NKB) kb = 0, ++tile;
         if (++stage == STAGES) stage = 0, phase ^= 1;
       }
@@ -129,7 +130,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
       // k-slice s: bytes 32 (s % 4) of the 128-byte rows of box s / 4 (added to the address field)
 #pragma unroll
-      for (int s = 0; s < 8; ++s) wgmma_n8(acc, a[s], d0 + (((s / 4) * X_BOX_BYTES + (s % 4) * 32) >> 4), carry | (s > 0));
+      for (int s = 0; s < 8; ++s)
+        wgmma_n8(acc, a[s], d0 + (((s / 4) * X_BOX_BYTES + (s % 4) * 32) >> 4), carry | (s > 0));
 #pragma unroll
       for (int s = 0; s < 8; ++s) wgmma_n8(acc, b[s], d1 + (((s / 4) * X_BOX_BYTES + (s % 4) * 32) >> 4), 1);
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");

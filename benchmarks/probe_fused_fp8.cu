@@ -189,7 +189,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       uint4 cur[2 * TILES_PER_WARP];
 #pragma unroll
       for (int i = 0; i < 2 * TILES_PER_WARP; ++i) {
-        const uint32_t src = wins + ws * WIN_BYTES + (TILES_PER_WARP * pwarp + i / 2) * 1024 + ((i % 2) * 4 + lane / 8) * 128 + (lane % 8) * 16;
+        const uint32_t src = wins + ws * WIN_BYTES + (TILES_PER_WARP * pwarp + i / 2) * 1024 +
+                             ((i % 2) * 4 + lane / 8) * 128 + (lane % 8) * 16;
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(cur[i].x), "=r"(cur[i].y), "=r"(cur[i].z), "=r"(cur[i].w) : "r"(src) : "memory");
       }
@@ -249,6 +250,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
   for (int j = 0; j < BN / 2; ++j) {
     const int tok = tok0 + 8 * (j / 4) + 2 * t + (j % 2);
-    if (tok < M) z[static_cast<long long>(tok) * Np + row + 8 * ((j / 2) % 2)] = __float2bfloat16_rn(acc[j] * xscale[tok] * 0.015625f);
+    if (tok < M)
+      z[static_cast<long long>(tok) * Np + row + 8 * ((j / 2) % 2)] =
+          __float2bfloat16_rn(acc[j] * xscale[tok] * 0.015625f);
   }
 }

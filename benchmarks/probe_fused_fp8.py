@@ -18,9 +18,10 @@ tiles out), launches it through the CUDA driver API (``probe_cuda_loop.Driver``)
 - times, at each token count: escha.matmul's rule, the plain-core path (``dequant_core_fp8``),
   the fp8 decode GEMM (``decode_fp8``, to 512 tokens), the fused call (actquant, the fused
   kernel, the output pass) and the fused kernel alone, beside cuBLAS bf16 and fp8 (operands
-  already e4m3); up to 256 tokens also one wave of its programs alone (``fused_gemm_wave``, the
-  first row blocks only: the time of one round of a grid that takes more than one). One process, weights rotated past L2, one CUDA graph an arm, interleaved
-  rounds, median.
+  already e4m3); up to a build's token block also one wave of its programs alone
+  (``fused_gemm_wave``, the first row blocks only: the time of one round of a grid that takes more
+  than one). One process, weights rotated past L2, one CUDA graph an arm, interleaved rounds,
+  median.
 
 Nothing in the library changes. ``nvcc`` must be on PATH (the H200 image has 13.0).
 
@@ -87,20 +88,30 @@ def build_variant(drv: Driver, tmp: str, bn: int, producers: int, dump: bool) ->
     cubin, usage = nvcc_cubin(SOURCE, defines, os.path.join(tmp, f"fused_{bn}_{producers}_{int(dump)}.cubin"))
     smem = STAGES * (BM * 128 + bn * 128) + WSTAGES * WIN_BYTES + (2 * STAGES + WSTAGES) * 8 + 1024
     return Build(drv.function(cubin, "fused_fp8_kernel", smem), bn, 128 * (producers + 2), smem), usage
+
+
 FP8_TOL = 0.077  # the fp8 paths' bound on the whole call against fp64 (tests/test_decode_fp8.py)
 
 
-class Fused:
-    """The fused kernel's launches for a set of weights: ``gemm(i, xq, xscale)`` writes z for
-    weight i; ``__call__(i, x)`` is the whole call (actquant, the kernel, the output pass)."""
+class Windows:
+    """A weight set's row windows and their TMA maps, made once and shared by every build's
+    launches: [TN, TK, 16, 2] int32 viewed as [TN, TK * 32], a k-block's box 8 row tiles x 256."""
 
-    def __init__(self, drv: Driver, build: Build, weights: list, core: torch.Tensor | None = None) -> None:
-        self.drv, self.build, self.weights = drv, build, weights
-        # row windows [TN, TK, 16, 2] int32 as [TN, TK * 32]: a k-block's box is 8 row tiles x 256
-        self.windows = [row_windows(w.trellis, w.bits).contiguous() for w in weights]
-        self.w_maps = [drv.tensor_map(v.view(v.shape[0], -1), _I32, (256, BM // 16), _SWIZZLE_NONE)
-                       for v in self.windows]
-        self.core = core
+    def __init__(self, drv: Driver, weights: list) -> None:
+        self.weights = weights
+        self.tensors = [row_windows(w.trellis, w.bits).contiguous() for w in weights]
+        self.maps = [drv.tensor_map(v.view(v.shape[0], -1), _I32, (256, BM // 16), _SWIZZLE_NONE)
+                     for v in self.tensors]
+
+
+class Fused:
+    """The fused kernel's launches of one build over a weight set's windows: ``gemm(i, xq, xscale)``
+    writes z for weight i; ``__call__(i, x)`` is the whole call (actquant, the kernel, the output
+    pass). With ``core`` (a DUMP_CORE build) the kernel also writes its decoded tiles there."""
+
+    def __init__(self, drv: Driver, build: Build, windows: Windows, core: torch.Tensor | None = None) -> None:
+        self.drv, self.build, self.windows, self.core = drv, build, windows, core
+        self.weights = windows.weights
 
     def gemm(self, i: int, xq: torch.Tensor, xscale: torch.Tensor, z: torch.Tensor | None = None,
              programs: int | None = None) -> torch.Tensor:
@@ -112,7 +123,7 @@ class Fused:
             z = torch.empty((m, np_), dtype=torch.bfloat16, device=xq.device)
         b = self.build
         x_map = self.drv.tensor_map(xq.view(torch.uint8), _U8, (128, b.bn), _SWIZZLE_128B)
-        args = [x_map, self.w_maps[i]] + [ctypes.c_uint64(t.data_ptr()) for t in (xscale, z)]
+        args = [x_map, self.windows.maps[i]] + [ctypes.c_uint64(t.data_ptr()) for t in (xscale, z)]
         args += [ctypes.c_uint64(0 if self.core is None else self.core.data_ptr())]
         args += [ctypes.c_int32(v) for v in (m, np_, kp)]
         self.drv.launch(b.fn, (min(np_ // BM, programs or np_), -(-m // b.bn)), b.threads, b.smem, args)
@@ -152,23 +163,25 @@ def main() -> int:
         w_ref = escha.dequantize(ws[0]).double()
         dense_rot = dense_weights(out_f, in_f, l2)
         fp8_rot = fp8_weights(dense_rot, l2)
-        fused = {suffix: Fused(drv, b, ws) for suffix, b in builds.items()}
+        windows = Windows(drv, ws)
+        fused = {suffix: Fused(drv, b, windows) for suffix, b in builds.items()}
         for m in [int(v) for v in args.ms.split(",")]:
             point = {"shape": shape, "N": out_f, "K": in_f, "M": m, "bits": 2}
             try:
                 x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
                 xq, xscale = actquant(x, ws[0], fp8=True)
                 want = dequantize_core(ws[0], torch.float8_e4m3fn)[0].view(torch.uint8)
+                ref = x.double() @ w_ref.T
+                err_core = rel_err(dequant_core_fp8(x, ws[0]), ref)  # the plain-core path's, for scale
                 ok, point["gates"] = True, {}
                 for suffix in builds:
                     # Gate 1: the decoded tiles, bit for bit (the DUMP_CORE build; poisoned output).
                     core = torch.full(ws[0].padded_shape, 0xFF, dtype=torch.uint8, device="cuda")
-                    Fused(drv, dumps[suffix], ws[:1], core).gemm(0, xq, xscale)
+                    Fused(drv, dumps[suffix], windows, core).gemm(0, xq, xscale)
                     torch.cuda.synchronize()
                     differ = int((core != want).sum())
-                    # Gate 2: the whole call against fp64, beside the plain-core path's.
-                    err = rel_err(fused[suffix](0, x), x.double() @ w_ref.T)
-                    err_core = rel_err(dequant_core_fp8(x, ws[0]), x.double() @ w_ref.T)
+                    # Gate 2: the whole call against fp64.
+                    err = rel_err(fused[suffix](0, x), ref)
                     point["gates"]["fused" + suffix] = {"core_values_differ": differ, "rel_err": err,
                                                         "rel_err_dequant_core_fp8": err_core}
                     ok &= differ == 0 and err <= FP8_TOL
