@@ -63,7 +63,7 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
     y = decode_fp8(x, qw, config=cfg)
     e_call = rel_err(y, x.double() @ w_ref.T) if torch.isfinite(y).all() else float("nan")
-    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
+    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True)
     ws, counts = gemm_partials(xq, qw, cfg)
     got = summed_partials(ws, counts)
     ref = xq.double() @ mma_order(reference_core(qw)).double().T

@@ -245,8 +245,7 @@ def prefill_times(model, tokens: int, args, device: torch.device) -> dict:
 
 # The kernels of an escha.matmul call, by role (their Triton names; the profiler reports those).
 ESCHA_GEMMS = ("_decode_wgmma_kernel", "_decode_kernel", "prefill_kernel", "dequant_hn_kernel", "_dequant_kernel")
-ESCHA_TRANSFORMS = ("_input_transform_kernel", "_output_transform_kernel", "absmax_kernel", "quantize_kernel",
-                    "transform_bf16_kernel", "_output_hadamard_kernel")
+ESCHA_TRANSFORMS = ("_input_transform_kernel", "_output_transform_kernel", "_output_hadamard_kernel")
 
 
 def kernel_role(name: str) -> str:

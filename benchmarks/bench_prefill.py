@@ -35,11 +35,10 @@ from escha.format import dequantize, random_qweight  # noqa: E402
 from escha.format.qweight import QuantizedWeight  # noqa: E402
 from escha.kernels import (ActQuantConfig, actquant, actquant_config, dequant_bf16, dequant_fp8,  # noqa: E402
                            dequant_once_config, prefill, prefill_config)
-from escha.kernels.actquant import absmax_kernel, quantize_kernel, transform_bf16_kernel  # noqa: E402
 from escha.kernels.common import FP8_DTYPE, workspace  # noqa: E402
 from escha.kernels.dequant import _dequant_kernel, dequant_config, dequantize_core  # noqa: E402
 from escha.kernels.dequant_once import dequant_core_bf16, dequant_core_fp8, dequant_hn, dequant_hn_kernel  # noqa: E402
-from escha.kernels.transforms import _output_hadamard_kernel, hadamard_output_dense  # noqa: E402
+from escha.kernels.transforms import _input_transform_kernel, _output_hadamard_kernel, hadamard_output_dense  # noqa: E402
 from escha.kernels.prefill import prefill_kernel  # noqa: E402
 
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704)}
@@ -50,15 +49,17 @@ PREFILL_CONFIGS = {
     "prefill-bm256w8": dict(block_m=256, num_warps=8, num_stages=1),
 }
 # Alternatives of the two dequantize-once stages, timed as extra "part-" arms so one run shows
-# whether the rules' choices (the empty first entry of each) are the best of these candidates.
-# The rule takes one tile a program; "-tN" gives a program N tiles (one load of the +-1 matrix,
-# x loads pipelined across its tiles).
+# whether the rules' choices are the best of these candidates. The activation pass's variants
+# map the rule's config and the row's Hadamard blocks to another: one tile a program ("t1"), a
+# whole row a program ("row"), half a row ("half"), and the same with tiles of 4 or 16 blocks.
 ACTQUANT_VARIANTS = {
-    "bm64w4": dict(),
-    "bm64w4-t2": dict(tiles_per_prog=2),
-    "bm64w4-t4": dict(tiles_per_prog=4),
-    "bm64w4-t8": dict(tiles_per_prog=8),
-    "bm64w4s2": dict(num_stages=2),
+    "t1": lambda c, nkb: replace(c, tiles=1),
+    "row": lambda c, nkb: replace(c, tiles=-(-nkb // c.blocks)),
+    "half": lambda c, nkb: replace(c, tiles=-(-nkb // (2 * c.blocks))),
+    "b4-t1": lambda c, nkb: ActQuantConfig(4, 1),
+    "b4-row": lambda c, nkb: ActQuantConfig(4, -(-nkb // 4)),
+    "b16-t1": lambda c, nkb: ActQuantConfig(16, 1),
+    "b16-row": lambda c, nkb: ActQuantConfig(16, -(-nkb // 16)),
 }
 DEQUANT_VARIANTS = {  # the rule's choice is BK=64, 4 warps, 3 stages
     "bk64w4s3": dict(),
@@ -74,9 +75,9 @@ DEQUANT_CORE_VARIANTS = {  # dequant_config's rule: 128 x 128 a program, 4 warps
 }
 
 
-def actquant_variant(qw: QuantizedWeight, m: int, **override) -> ActQuantConfig:
-    """The rule's activation config at m rows with ``override`` applied."""
-    return replace(actquant_config(qw, m), **override)
+def actquant_variant(qw: QuantizedWeight, m: int, name: str) -> ActQuantConfig:
+    """The activation config of variant ``name`` (``ACTQUANT_VARIANTS``) at m rows."""
+    return ACTQUANT_VARIANTS[name](actquant_config(qw, m), qw.padded_shape[1] // 128)
 
 
 @dataclass
@@ -101,9 +102,7 @@ def random_weights(n: int, k: int, count: int, dev: str) -> list[QuantizedWeight
 
 KERNELS = {
     "prefill": prefill_kernel,
-    "absmax": absmax_kernel,
-    "quantize": quantize_kernel,
-    "transform_bf16": transform_bf16_kernel,
+    "input_transform": _input_transform_kernel,
     "dequant_hn": dequant_hn_kernel,
     "dequant_core": _dequant_kernel,
     "output_hadamard": _output_hadamard_kernel,
@@ -182,8 +181,12 @@ def main() -> None:
                 "part-actquant": (lambda i: actquant(x, qws[0], fp8=True), 1),
                 "part-dequant-fp8": (lambda i: dequant_hn(qws[i % nq], fp8=True), nq),
             }
-            for vname, over in list(ACTQUANT_VARIANTS.items())[1:]:
-                acfg = actquant_variant(qws[0], m, **over)
+            seen = {actquant_config(qws[0], m)}
+            for vname in ACTQUANT_VARIANTS:
+                acfg = actquant_variant(qws[0], m, vname)
+                if acfg in seen:  # the rule's own config, or a variant that equals another here
+                    continue
+                seen.add(acfg)
                 arms["part-actquant-" + vname] = (
                     (lambda c: lambda i: actquant(x, qws[0], fp8=True, config=c))(acfg), 1)
             for vname, over in list(DEQUANT_VARIANTS.items())[1:]:

@@ -26,11 +26,13 @@ if os.environ.get("ESCHA_SANITIZER_GRID") == "small":
     # 1: the transforms' one-token tiles; 1 and 7: the register-operand GEMM's halves codec at K=2;
     # 40 and 130: its 64-token variant (one fragment, a ring of 2) and two 128-token blocks.
     SHAPES, MS = [(17, 130), (257, 300)], [1, 7, 40, 130]
-# A run for one kernel: ESCHA_SANITIZER_PATHS (comma-separated path names) and ESCHA_SANITIZER_MS
-# (comma-separated token counts) narrow the grid further.
+# A run for one kernel: ESCHA_SANITIZER_PATHS (comma-separated path names), ESCHA_SANITIZER_MS
+# (comma-separated token counts) and ESCHA_SANITIZER_SHAPES (comma-separated OUTxIN) set the grid.
 PATHS = set(filter(None, os.environ.get("ESCHA_SANITIZER_PATHS", "").split(",")))
 if os.environ.get("ESCHA_SANITIZER_MS"):
     MS = [int(v) for v in os.environ["ESCHA_SANITIZER_MS"].split(",")]
+if os.environ.get("ESCHA_SANITIZER_SHAPES"):  # "OUTxIN,..."
+    SHAPES = [tuple(int(d) for d in v.split("x")) for v in os.environ["ESCHA_SANITIZER_SHAPES"].split(",")]
 # Relative error bounds for bf16 outputs (docs/KERNELS.md tolerance tables): bf16 output rounding
 # (2**-9) bounds the bf16-output paths, e4m3 operand rounding the fp8 ones.
 TOL = {"reference": 1e-2, "decode": 1e-2, "decode-wgmma": 1e-2, "dequant-bf16": 2e-2, "prefill": 8e-2,

@@ -51,24 +51,26 @@ def test_column_order_keeps_a_threads_tiles():
 
 @pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (70, 520)])
 @pytest.mark.parametrize("outlier", [False, True])
-def test_input_transform_fp8(m, k, outlier):
+@pytest.mark.parametrize("mma_order", [True, False])
+def test_input_transform_fp8(m, k, outlier, mma_order):
     """The input transform's fp8 form (Triton interpreter on the CPU): x' * 2**e rounded to e4m3
-    (|x' 2**e| <= 2**8, so no saturation) in the fp8 MMA column order, with 2**-e / 64: back in
-    T's order and scaled, each value is x' within e4m3's rounding (half an ulp: 2**-4 relative,
-    or 2**-10 2**-e below the normal range), also for a row with a 1000x outlier."""
+    (|x' 2**e| <= 2**8, so no saturation), in the fp8 MMA column order with 2**-e / 64 or in x's
+    own order with 2**-e: back in T's order and scaled, each value is x' within e4m3's rounding
+    (half an ulp: 2**-4 relative, or 2**-10 2**-e below the normal range), also for a row with a
+    1000x outlier."""
     qw = random_qweight(64, k, bits=2, seed=k)
     x = torch.randn(m, k, dtype=torch.bfloat16)
     if outlier:
         x[0, k // 3] = 1000.0
-    xq, inv, _ = prepare_input(x, qw, keep=False, fp8=True)
+    xq, inv, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=mma_order)
     assert xq.dtype == torch.float8_e4m3fn and xq.shape == (m, qw.padded_shape[1])
     assert torch.equal(torch.frexp(inv).mantissa, torch.full_like(inv, 0.5))  # powers of two
     assert float(xq.float().abs().max()) <= 256
-    order = df.fp8_mma_column_order()
+    order = df.fp8_mma_column_order() if mma_order else torch.arange(128)
     back = torch.empty_like(xq.float())
     for b in range(xq.shape[1] // 128):
         back[:, 128 * b + order] = xq.float()[:, 128 * b:128 * b + 128]
-    step = (inv * 64).double()[:, None]  # 2**-e
+    step = (inv * (64 if mma_order else 1)).double()[:, None]  # 2**-e
     got = back.double() * step
     want = input_transform(x.double(), qw).double()
     assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
@@ -84,7 +86,7 @@ def test_input_transform_fp8_applies_the_norm(dtype):
     g = torch.Generator().manual_seed(4)
     norm = RowNorm((torch.rand(300, generator=g) + 0.5).to(dtype), 1e-6)
     x = (torch.randn(6, 300, generator=g) * 3).to(dtype)
-    xq, inv, _ = prepare_input(x, qw, norm=norm, keep=False, fp8=True)
+    xq, inv, _ = prepare_input(x, qw, norm=norm, keep=False, fp8=True, mma_order=True)
     order = df.fp8_mma_column_order()
     back = torch.empty_like(xq.float())
     for b in range(xq.shape[1] // 128):
@@ -97,11 +99,13 @@ def test_input_transform_fp8_applies_the_norm(dtype):
     assert float((got - plain).norm() / plain.norm()) > 0.1
 
 
-def test_input_transform_fp8_has_one_order():
+def test_input_transform_rejects_orders_that_do_not_apply():
     qw = random_qweight(64, 128, bits=2, seed=0)
-    for kwargs in ({"mma_order": True}, {"halves": True}):
-        with pytest.raises(ValueError, match="decode_fp8's column order"):
-            prepare_input(torch.randn(2, 128), qw, keep=False, fp8=True, **kwargs)
+    x = torch.randn(2, 128)
+    for kwargs, match in (({"fp8": True, "halves": True}, "halves"), ({"bf16": True, "halves": True}, "halves"),
+                          ({"bf16": True, "mma_order": True}, "mma_order"), ({"fp8": True, "bf16": True}, "one")):
+        with pytest.raises(ValueError, match=match):
+            prepare_input(x, qw, keep=False, **kwargs)
 
 
 @pytest.mark.parametrize("m,block", [(1, 64), (64, 64), (65, 128), (128, 128), (129, 256), (256, 256), (300, 256),
@@ -270,7 +274,7 @@ def test_partials_are_the_e4m3_product(m, k, bits):
     and one program."""
     qw = random_qweight(300, k, bits=bits, seed=m + bits, device="cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True)
+    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True)
     ref = xq.double() @ df.mma_order(df.reference_core(qw)).double().T
     for block in df.BUILDS:
         cfg = df.config_with_block(qw, m, block, x.device)

@@ -9,7 +9,7 @@ import torch
 
 from escha.format import block_hadamard, decode_trellis, dequantize, input_transform, random_qweight, row_scale
 from escha.kernels import actquant, actquant_config, dequant_once_config, prefill, prefill_config
-from escha.kernels.actquant import partial_amax_workspace
+from escha.kernels.actquant import ActQuantConfig
 from escha.kernels.common import FP8_DTYPE, workspace
 from escha.kernels import dequant_once as dequant_once_module
 from escha.kernels.dequant_once import (dequant_core_bf16, dequant_core_fp8, dequant_hn, k_per_prog_for,
@@ -40,9 +40,10 @@ def test_actquant_fp8_matches_transform(dtype):
     xq, sx = actquant(x, qw, fp8=True)
     assert xq.dtype == FP8_DTYPE and xq.shape == (37, 256) and sx.shape == (37,)
     ref = input_transform(x, qw)
-    # Per-token scale: the row's absmax lands on 448 (within rounding of the scale itself).
+    # Per-token power-of-two scale from the bound |x'| <= sqrt(128) max|x|: nothing above 2**8.
+    assert torch.equal(torch.frexp(sx).mantissa, torch.full_like(sx, 0.5))
     amax = xq.float().abs().amax(1)
-    assert torch.all(amax >= 400) and torch.all(amax <= 448)
+    assert torch.all(amax <= 256) and torch.all(amax >= 256 / 128 ** 0.5 / 2 / 4)  # typical rows
     got = xq.float() * sx[:, None]
     assert rel(got, ref) < 1.3 * FP8_ELEM_RMS
     # And it is exactly the e4m3 rounding of the transformed row (up to ties and 2**-9 of x').
@@ -59,9 +60,15 @@ def test_actquant_bf16_and_nan_rows():
     assert rel(xb, input_transform(x, qw)) < 2 * BF16_ELEM_RMS
     x[3, 7] = float("nan")
     x[5, 0] = float("inf")
-    _, sx = actquant(x, qw, fp8=True)
-    assert torch.isnan(sx[3]) and torch.isnan(sx[5])
-    assert torch.isfinite(sx[[0, 1, 2, 4, 6]]).all()
+    xq, sx = actquant(x, qw, fp8=True)
+    xf = xq.float()
+    assert torch.isnan(xf[3, :128]).all()  # the NaN's Hadamard block
+    assert torch.isnan(xf[5]).all()  # a row with an infinity: e4m3 has none
+    ok = [0, 1, 2, 4, 6]
+    assert torch.isfinite(xf[ok]).all() and torch.isfinite(sx[ok]).all()
+    # Through a path the two rows come out NaN and the others finite.
+    y = dequant_core_fp8(x, random_qweight(64, 130, 2, seed=5, device=DEV))
+    assert torch.isnan(y[[3, 5]]).all() and torch.isfinite(y[ok]).all()
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -115,18 +122,21 @@ def hadamard_pm1_torch(n: int = 128) -> torch.Tensor:
 
 
 def actquant_reference(x: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch x -> (e4m3 x', scale) with the kernels' math: +-1 Hadamard per 128 block in fp32,
-    per-row absmax, inv = 448 / amax, q = e4m3(clamp(v * inv)), scale = amax * (1/sqrt(128) / 448)."""
+    """Pure-torch x -> (e4m3 x', scale) with the kernel's math in fp32: e from the row's max |x|
+    (the bound sqrt(128) max|x| lands at or below 2**8), the +-1 Hadamard per 128 block, times
+    1/sqrt(128), times 2**e, e4m3 round-to-nearest-even; scale = 2**-e."""
     m, k = x.shape
     kp = sv.numel()
     xp = torch.zeros(m, kp)
     xp[:, :k] = x.float().cpu()
     v = (xp * sv.float().cpu()).reshape(m, kp // 128, 128) @ hadamard_pm1_torch()
-    v = v.reshape(m, kp)
-    amax = v.abs().amax(1).clamp_min(1e-30)
-    inv = torch.tensor(448.0) / amax
-    q = (v * inv[:, None]).clamp(-448, 448).to(FP8_DTYPE)
-    return q, amax * torch.tensor((1 / 128 ** 0.5) / 448.0, dtype=torch.float32)
+    amax = xp.abs().amax(1)
+    q = torch.tensor(256.0) / (amax * torch.tensor(128 ** 0.5, dtype=torch.float32))
+    e = ((q.view(torch.int32) >> 23) & 0xFF) - 127
+    e = e.clamp(-64, 64)
+    scale = torch.ldexp(torch.ones(m), e.float())
+    h = (v.reshape(m, kp) * torch.tensor(1 / 128 ** 0.5, dtype=torch.float32)) * scale[:, None]
+    return h.to(FP8_DTYPE), torch.ldexp(torch.ones(m), -e.float())
 
 
 def exact_grid_x(m: int, k: int, seed: int) -> torch.Tensor:
@@ -136,45 +146,43 @@ def exact_grid_x(m: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randint(-32, 33, (m, k), generator=g).float() / 4).to(DEV, torch.bfloat16)
 
 
-@pytest.mark.parametrize("m,k,block_m,tiles", [(70, 600, 64, 1), (37, 640, 16, 4), (37, 640, 16, 7)])
-def test_actquant_equals_torch_reference(m, k, block_m, tiles):
-    """Many k blocks (5), ragged K and M; one tile a program, or 4 and 7 of the 15 tiles (3 row
-    blocks x 5 k blocks: a count neither divides, so the last programs run past the last tile)."""
+@pytest.mark.parametrize("m,k,blocks,tiles", [(70, 600, 1, 1), (37, 640, 1, 5), (37, 640, 2, 2), (37, 640, 4, 1),
+                                              (3, 1280, 2, 5), (3, 1280, 8, 2)])
+def test_actquant_equals_torch_reference(m, k, blocks, tiles):
+    """Many k blocks (5 or 10), ragged K and M; one tile a program or a run of them, with tile
+    counts that do and do not divide a row (the last program's tile past the row is masked)."""
     qw = random_qweight(64, k, 2, seed=5, device=DEV)
     x = exact_grid_x(m, k, seed=m)
-    assert actquant_config(qw, m).tiles_per_prog == 1  # the rule: one tile a program
-    cfg = replace(actquant_config(qw, m), block_m=block_m, tiles_per_prog=tiles)
-    xq, sx = actquant(x, qw, fp8=True, config=cfg)
+    xq, sx = actquant(x, qw, fp8=True, config=ActQuantConfig(blocks=blocks, tiles=tiles))
     q_ref, s_ref = actquant_reference(x, qw.sv)
-    assert xq.shape == (m, 640) and sx.shape == (m,)
+    kp = qw.padded_shape[1]
+    assert xq.shape == (m, kp) and sx.shape == (m,)
     assert torch.equal(sx.cpu(), s_ref)
-    # Under the interpreter the e4m3 rounding is the same integer arithmetic as torch's RNE; the
-    # GPU's 448/amax may differ from IEEE division in the last bit, moving a rare tie.
-    diff = (xq.cpu().float() != q_ref.float()).float().mean().item()
-    assert diff == 0.0 if DEV == "cpu" else diff < 1e-3
+    assert torch.equal(xq.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def test_actquant_partials_all_written_and_deterministic():
-    """Poison the partial-max scratch with +Inf (an unwritten partial would turn its row's scale
-    NaN); two runs must agree bit for bit; one tile a program and 2 or 5 tiles a program give
-    identical results."""
-    qw = random_qweight(64, 384, 2, seed=6, device=DEV)
-    x = torch.randn(50, 384, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
-    partial_amax_workspace(torch.device(DEV), 50, 3).fill_(float("inf"))
-    one = replace(actquant_config(qw, 50), block_m=16)
-    assert one.tiles_per_prog == 1
-    two = replace(one, tiles_per_prog=2)
-    a = actquant(x, qw, fp8=True, config=one)
-    assert torch.isfinite(a[1]).all()
-    b = actquant(x, qw, fp8=True, config=one)
-    c = actquant(x, qw, fp8=True, config=two)
-    for other in (b, c):
-        assert torch.equal(a[0].view(torch.uint8), other[0].view(torch.uint8))
-        assert torch.equal(a[1], other[1])
-    xb1, _ = actquant(x, qw, fp8=False, config=one)
-    xb2, _ = actquant(x, qw, fp8=False,
-                      config=replace(one, tiles_per_prog=5))
-    assert torch.equal(xb1, xb2)
+@pytest.mark.parametrize("m,k,want", [(1, 5120, (8, 1)), (4096, 5120, (8, 5)), (4096, 8704, (4, 17)),
+                                      (100, 640, (1, 1)), (4096, 640, (1, 5)), (4096, 1024, (8, 1))])
+def test_actquant_rule(m, k, want):
+    """Tiles of the most blocks up to 8 that divide the row; whole rows once M fills the GPU."""
+    qw = random_qweight(64, k, 2, seed=1)
+    cfg = actquant_config(qw, m)
+    assert (cfg.blocks, cfg.tiles) == want
+
+
+def test_actquant_configs_agree_bitwise():
+    """Any launch shape gives the same bits, twice; a bad shape is refused."""
+    qw = random_qweight(64, 1000, 2, seed=6, device=DEV)
+    x = torch.randn(50, 1000, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    a = actquant(x, qw, fp8=True, config=ActQuantConfig(1, 1))
+    for cfg in (ActQuantConfig(1, 1), ActQuantConfig(2, 3), ActQuantConfig(8, 1), ActQuantConfig(4, 2)):
+        b = actquant(x, qw, fp8=True, config=cfg)
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+        xb1, _ = actquant(x, qw, fp8=False, config=ActQuantConfig(1, 1))
+        xb2, _ = actquant(x, qw, fp8=False, config=cfg)
+        assert torch.equal(xb1, xb2)
+    with pytest.raises(ValueError, match="power of two"):
+        ActQuantConfig(3, 1)
 
 
 def test_dequant_hn_exact_and_poisoned():

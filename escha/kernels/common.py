@@ -408,14 +408,15 @@ def f32_to_f16_rne(x):
 
 @triton.jit
 def f32_to_e4m3_rne(x):
-    """fp32 -> fp8 e4m3 (fn) in integer arithmetic, round to nearest even, subnormals included;
-    inputs must satisfy |x| < 464 (no saturation)."""
+    """fp32 -> fp8 e4m3 (fn) in integer arithmetic, round to nearest even, subnormals included,
+    NaN to NaN; other inputs must satisfy |x| < 464 (no saturation)."""
     u = x.to(tl.uint32, bitcast=True)
     a = u & 0x7FFFFFFF
     sign = (u >> 24) & 0x80
     normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)  # rebias 127 -> 7
     sub = _rint_small(tl.abs(x) * 512.0)  # |x| < 2**-6: multiples of 2**-9
     r = tl.where(a >= 0x3C800000, normal, sub)
+    r = tl.where(a > 0x7F800000, 0x7F, r)  # NaN stays NaN (e4m3fn's only NaN code, S.1111.111)
     return (r | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 

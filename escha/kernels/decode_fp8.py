@@ -16,7 +16,7 @@ once up to 256 tokens): ``escha.matmul``'s path from 65 to 256 tokens on Hopper
 (``DispatchRule.decode_max_m``, ``fp8_decode_max_m``), where the fp16 kernel's MMAs, waited for
 each step, cost as much as its decode.
 
-Layout. The MMA's k order inside a 128-block is ours (``transforms.prepare_input(..., fp8=True)``
+Layout. The MMA's k order inside a 128-block is ours (``transforms.prepare_input(..., fp8=True, mma_order=True)``
 stores x' the same way); it is the order the decode produces, in which a thread owns tiles 2t and
 2t + 1 of the block (whose row windows are the fp16 kernel's words) and each 32-bit register
 four of their columns:
@@ -415,7 +415,8 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
     pdl = cfg.dependent_launch
-    xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, keep=False, fp8=True)
+    xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, keep=False, fp8=True,
+                               mma_order=True)
     ws, counts = gemm_partials(xq, qw, cfg)
     y = output_tensor(x, m, qw.out_features, out)
     hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
@@ -424,7 +425,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [M, Kp], fp8 MMA column
-    order: ``prepare_input(..., fp8=True)``) against e4m3(64 T), and each 64-row group's count of
+    order: ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(64 T), and each 64-row group's count of
     them (``hadamard_output``'s ``segments``; the other partials are left unwritten)."""
     m = xq.shape[0]
     np_, kp = qw.padded_shape

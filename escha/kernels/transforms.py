@@ -46,8 +46,9 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
                             CH: tl.constexpr, AMAX_BLOCK: tl.constexpr, AMAX_STEPS: tl.constexpr,
                             MMA_ORDER: tl.constexpr, HALVES: tl.constexpr, PDL: tl.constexpr,
                             RELEASE_EARLY: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr,
-                            FP8: tl.constexpr = False):
-    """Program (m, c): x'[m] for Hadamard blocks c*CH .. c*CH+CH-1, scaled by 2**e_m, as fp16.
+                            FP8: tl.constexpr = False, BF16: tl.constexpr = False, TILES: tl.constexpr = 1):
+    """Program (m, c): x'[m] for Hadamard blocks c*CH*TILES .. (c+1)*CH*TILES-1, TILES tiles of CH
+    blocks one after another, scaled by 2**e_m, as fp16.
 
     MMA_ORDER stores each 128-block in decode_wgmma's column order (mma_column_order); with
     HALVES, in the halves codec's order, each value twice (256 columns a block). With PDL
@@ -55,18 +56,20 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
     while this runs; without RELEASE_EARLY it launches as this kernel's programs exit. With NORM
     the row first goes through the RMSNorm that precedes the layer (weight ``nw``, ``eps``), as
     the model computes it: x * rsqrt(mean(x**2) + eps) in fp32, rounded to x's dtype, times the
-    weight, rounded again. FP8 stores e4m3 instead, bounded by 2**8 (not 2**15), in decode_fp8's
-    column order, with 2**-e / 64 as the row's factor (decode_fp8's weights are 64 T).
+    weight, rounded again. FP8 stores e4m3 instead, bounded by 2**8 (not 2**15): with MMA_ORDER in
+    decode_fp8's column order, with 2**-e / 64 as the row's factor (decode_fp8's weights are 64 T);
+    without, in x's own column order with 2**-e (the dequantize-once paths' library GEMM). BF16
+    stores bf16(x') unscaled (no row pass, no factor): the bf16 library GEMM's operand.
     """
     wait_for_producer(PDL)
     release_dependents(PDL and RELEASE_EARLY)
     m = tl.program_id(0)
     pc = tl.program_id(1)
     row = x_ptr + m.to(tl.int64) * stride_xm
-    # The program's [CH, 128] tile is loaded first: nothing it reads waits for the row's
+    # The program's first [CH, 128] tile is loaded first: nothing it reads waits for the row's
     # reductions, so its latency overlaps theirs.
-    b = pc * CH + tl.arange(0, CH)[:, None]
     j = tl.arange(0, 128)[None, :]
+    b = pc * TILES * CH + tl.arange(0, CH)[:, None]
     k = b * 128 + j
     xt = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
     sv = tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
@@ -86,38 +89,62 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
             else:
                 ss = tl.fma(v, v, ss)
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K_in + eps)
-    # The row's max |x| (every program of the row computes the same value).
-    amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
-    for i in tl.static_range(AMAX_STEPS):
-        kr = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
-        v = _normed(tl.load(row + kr * stride_xk, mask=kr < K_in, other=0.0).to(tl.float32), nw_ptr, kr,
-                    kr < K_in, rstd, NORM, X_DTYPE)
-        amax = tl.maximum(amax, tl.abs(v))
-    a = tl.max(amax, axis=0)
-    # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
-    if FP8:  # e4m3: |x' * 2**e| <= 2**8 < 448
-        q = 256.0 / (a * SQRT_HAD)
-    else:
-        q = 32768.0 / (a * SQRT_HAD)
-    e = ((q.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    e = tl.minimum(tl.maximum(e, -64), 64)
-    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    if pc == 0:
-        if FP8:
-            tl.store(inv_ptr + m, ((121 - e) << 23).to(tl.float32, bitcast=True))  # 2**-e / 64
+    a = 0.0
+    scale = 1.0
+    if not BF16:
+        # The row's max |x| (every program of the row computes the same value).
+        amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
+        for i in tl.static_range(AMAX_STEPS):
+            kr = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
+            v = _normed(tl.load(row + kr * stride_xk, mask=kr < K_in, other=0.0).to(tl.float32), nw_ptr, kr,
+                        kr < K_in, rstd, NORM, X_DTYPE)
+            amax = tl.maximum(amax, tl.abs(v))
+        a = tl.max(amax, axis=0)
+        # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
+        if FP8:  # e4m3: |x' * 2**e| <= 2**8 < 448
+            q = 256.0 / (a * SQRT_HAD)
         else:
-            tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
+            q = 32768.0 / (a * SQRT_HAD)
+        e = ((q.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+        e = tl.minimum(tl.maximum(e, -64), 64)
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        if pc == 0:
+            if FP8 and MMA_ORDER:
+                tl.store(inv_ptr + m, ((121 - e) << 23).to(tl.float32, bitcast=True))  # 2**-e / 64
+            else:
+                tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
+    for t in range(TILES):
+        if t > 0:  # the next tile of this program's run (the first was loaded above)
+            b = (pc * TILES + t) * CH + tl.arange(0, CH)[:, None]
+            k = b * 128 + j
+            xt = tl.load(row + k * stride_xk, mask=k < K_in, other=0.0).to(tl.float32)
+            sv = tl.load(sv_ptr + k, mask=k < Kp, other=0).to(tl.float32)
+        _transform_tile(xt, sv, b, k, nw_ptr, xq_ptr, m, rstd, scale, a, Kp, K_in, CH, MMA_ORDER, HALVES, NORM,
+                        X_DTYPE, FP8, BF16)
+
+
+@triton.jit
+def _transform_tile(xt, sv, b, k, nw_ptr, xq_ptr, m, rstd, scale, a, Kp, K_in, CH: tl.constexpr,
+                    MMA_ORDER: tl.constexpr, HALVES: tl.constexpr, NORM: tl.constexpr, X_DTYPE: tl.constexpr,
+                    FP8: tl.constexpr, BF16: tl.constexpr):
+    """One [CH, 128] tile of row m (blocks b [CH, 1], columns k, signs sv): x' of its CH Hadamard
+    blocks, stored."""
     # CH Hadamard blocks, the rows of the tile, through the butterflies of hadamard128: sign
     # flips and +-1 products are exact, the sums fp32.
     xs = _normed(xt, nw_ptr, k, k < K_in, rstd, NORM, X_DTYPE) * sv
     h = (hadamard128(xs) * INV_SQRT_HAD) * scale
-    if FP8:
+    if BF16:
+        tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.bfloat16), mask=k < Kp)
+    elif FP8:
         # e4m3 has no infinity (a saturating conversion would turn one into 448): a row holding
-        # one becomes NaN, as its product through the reference does.
-        h = tl.where(a == float("inf"), float("nan"), h)
-        # T column 32 t + 16 u + 8 e + 2 s + h sits at MMA column 32 s + 16 h + 4 t + 2 u + e
-        # (decode_fp8.fp8_mma_column_order): bits (t1 t0 u e s1 s0 h) -> (s1 s0 h t1 t0 u e).
-        h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 5, 6, 7, 1, 2, 3, 4)), [CH, 128])
+        # one becomes NaN, as its product through the reference does; so does a row whose max
+        # came out NaN (a NaN's own block is NaN through the butterflies either way).
+        h = tl.where((a == float("inf")) | (a != a), float("nan"), h)
+        if MMA_ORDER:
+            # T column 32 t + 16 u + 8 e + 2 s + h sits at MMA column 32 s + 16 h + 4 t + 2 u + e
+            # (decode_fp8.fp8_mma_column_order): bits (t1 t0 u e s1 s0 h) -> (s1 s0 h t1 t0 u e).
+            h = tl.reshape(tl.permute(tl.reshape(h, [CH, 2, 2, 2, 2, 2, 2, 2]), (0, 5, 6, 7, 1, 2, 3, 4)),
+                           [CH, 128])
         tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.float8e4nv), mask=k < Kp)
     elif HALVES:
         # T column 16 q + 8 a + s sits at MMA columns 2 (64 a + 8 s + 4 (q % 2) + q // 2) + e,
@@ -169,13 +196,24 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
                   dependent_launch: bool = False, release_early: bool = False,
                   norm: RowNorm | None = None,
                   keep: bool = True, halves: bool = False,
-                  fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+                  fp8: bool = False, bf16: bool = False, blocks: int | None = None,
+                  tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor | None, Prepared | None]:
     """``hadamard_input``, and with ``keep`` its launch prepared to run again (``common.Prepared``;
     per-call tensors ``INPUT_SLOTS``: x, x', 2**-e and the norm's weight, which is x when there is
-    none). ``fp8``: x' * 2**e in e4m3, |x' * 2**e| <= 2**8, in decode_fp8's column order, and
-    2**-e / 64 (``mma_order`` and ``halves`` are the fp16 kernel's and do not apply)."""
-    if fp8 and (mma_order or halves):
-        raise ValueError("fp8 stores decode_fp8's column order: mma_order and halves are decode_wgmma's")
+    none; with ``bf16``, x' stands in for the absent 2**-e).
+
+    ``fp8``: x' * 2**e in e4m3, |x' * 2**e| <= 2**8, with ``mma_order`` in decode_fp8's column
+    order and 2**-e / 64 as the row's factor, without in x's column order and 2**-e (the
+    dequantize-once paths). ``bf16``: bf16(x'), unscaled, in x's column order, and None for the
+    factor. ``halves`` is decode_wgmma's alone. ``blocks`` (Hadamard blocks a tile, a power of two;
+    default ``input_blocks_per_program``) and ``tiles`` (tiles a program, one after another)
+    shape the grid: [M, ceil(Kp / 128 / (blocks * tiles))]."""
+    if (fp8 or bf16) and halves:
+        raise ValueError("halves is decode_wgmma's fp16 order: it does not apply to fp8 or bf16")
+    if fp8 and bf16:
+        raise ValueError("fp8 and bf16 are two different outputs: ask for one")
+    if bf16 and mma_order:
+        raise ValueError("bf16 stores x's own column order: mma_order does not apply")
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
     if norm is not None and not norm.fusable(x2d):
@@ -183,19 +221,23 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
                          f"to be applied in the input transform")
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
-    out = torch.empty((m, input_columns(kp, halves)), dtype=FP8_DTYPE if fp8 else torch.float16, device=x2d.device)
-    inv_scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
-    ch = input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
-    grid = (m, triton.cdiv(kp // HAD_BLOCK, ch))
+    dtype = FP8_DTYPE if fp8 else torch.bfloat16 if bf16 else torch.float16
+    out = torch.empty((m, input_columns(kp, halves)), dtype=dtype, device=x2d.device)
+    inv_scale = None if bf16 else torch.empty((m,), dtype=torch.float32, device=x2d.device)
+    ch = blocks or input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
+    grid = (m, triton.cdiv(kp // HAD_BLOCK, ch * tiles))
     # The row in chunks of up to 8192 inputs, all loaded at once (the loops are unrolled). The
     # chunking also fixes the mean square's summation order, hence the norm's bits: keep it.
     amax_block = min(8192, triton.next_power_of_2(qw.in_features))
-    args = (x2d, qw.sv, out, inv_scale, x2d if norm is None else norm.weight,
+    args = (x2d, qw.sv, out, out if bf16 else inv_scale, x2d if norm is None else norm.weight,
             0.0 if norm is None else norm.eps, qw.in_features, kp, x2d.stride(0), x2d.stride(1))
     settings = dict(CH=ch, AMAX_BLOCK=amax_block, AMAX_STEPS=triton.cdiv(qw.in_features, amax_block),
                     MMA_ORDER=mma_order or halves, HALVES=halves, PDL=dependent_launch, RELEASE_EARLY=release_early,
                     NORM=norm is not None,
-                    X_DTYPE=TL_DTYPES[x2d.dtype], FP8=fp8, num_warps=4, launch_pdl=dependent_launch)
+                    X_DTYPE=TL_DTYPES[x2d.dtype], FP8=fp8, BF16=bf16, TILES=tiles, num_warps=4,
+                    launch_pdl=dependent_launch)
+    if m == 0:
+        return out, inv_scale, None
     return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS if keep else None,
                                    **settings)
 
