@@ -50,16 +50,15 @@ PREFILL_CONFIGS = {
 }
 # Alternatives of the two dequantize-once stages, timed as extra "part-" arms so one run shows
 # whether the rules' choices are the best of these candidates. The activation pass's variants
-# map the rule's config and the row's Hadamard blocks to another: one tile a program ("t1"), a
-# whole row a program ("row"), half a row ("half"), and the same with tiles of 4 or 16 blocks.
+# map the rule's config and the row's Hadamard blocks to another: one tile a program ("t1"), half
+# a row a program ("half"), and whole rows in tiles of 4 to 32 blocks.
 ACTQUANT_VARIANTS = {
     "t1": lambda c, nkb: replace(c, tiles=1),
-    "row": lambda c, nkb: replace(c, tiles=-(-nkb // c.blocks)),
     "half": lambda c, nkb: replace(c, tiles=-(-nkb // (2 * c.blocks))),
-    "b4-t1": lambda c, nkb: ActQuantConfig(4, 1),
     "b4-row": lambda c, nkb: ActQuantConfig(4, -(-nkb // 4)),
-    "b16-t1": lambda c, nkb: ActQuantConfig(16, 1),
+    "b8-row": lambda c, nkb: ActQuantConfig(8, -(-nkb // 8)),
     "b16-row": lambda c, nkb: ActQuantConfig(16, -(-nkb // 16)),
+    "b32-row": lambda c, nkb: ActQuantConfig(32, -(-nkb // 32)),
 }
 DEQUANT_VARIANTS = {  # the rule's choice is BK=64, 4 warps, 3 stages
     "bk64w4s3": dict(),

@@ -78,6 +78,12 @@
 #                  the CUDA loop and the Gluon kernel beside it (gate_up, 8 tokens: each at 4 and 5
 #                  programs an SM's grid, from the probe's gates), then racecheck of the CUDA loop at
 #                  8 tokens alone (down), with the time two tokens counts took.
+# PHASE "actquant": the prefill paths' activation pass (escha/kernels/actquant.py, one launch of the
+#                  input transform): the GPU tests of the prefill, decode_fp8, dispatch and norms
+#                  files, bench_prefill.py at 512, 2048 and 8192 tokens (every path and part, the
+#                  activation pass's launch-shape variants), and compute-sanitizer racecheck and
+#                  memcheck of the prefill paths at 65, 130 and 2200 tokens on three shapes
+#                  (tiles of 2, 8 and 8 blocks; 1, 2 and 3 tiles a row).
 # PHASE "fused-fp8": benchmarks/probe_fused_fp8.py: a warp-specialized fused fp8 decode GEMM (a producer
 #                  warpgroup decoding e4m3(64 T) tiles into shared memory beside two consumer
 #                  warpgroups' fp8 wgmma), gated (decoded tiles bit for bit, the product against
@@ -103,7 +109,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -271,6 +277,16 @@ case "$phase" in
       python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop_ncu" --ms 8 --shapes gate_up --gate-only
     step racecheck_cuda_loop 330 compute-sanitizer --tool racecheck --print-limit 20 --error-exitcode 99 \
       python benchmarks/probe_cuda_loop.py --out "$out/cuda_loop_racecheck" --ms 8 --shapes down --gate-only
+    ;;
+  actquant)
+    step gpu_tests 240 python -m pytest -q -m gpu tests/test_prefill.py tests/test_decode_fp8.py tests/test_dispatch.py \
+      tests/test_norms.py
+    step bench_prefill 200 python benchmarks/bench_prefill.py --out "$out/prefill" --ms 512,2048,8192 --configs "" --rounds 5
+    for tool in racecheck memcheck; do
+      step "sanitize_$tool" 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=dequant-fp8,dequant-core-fp8,dequant-bf16,dequant-core-bf16,prefill \
+        ESCHA_SANITIZER_MS=65,130,2200 ESCHA_SANITIZER_SHAPES=17x130,33x1300,40x2560 ESCHA_SANITIZER_TOOLS=$tool \
+        benchmarks/run_sanitizer.sh "$out/sanitizer_$tool.txt"
+    done
     ;;
   fused-fp8)
     step probe_fused_fp8 360 python benchmarks/probe_fused_fp8.py --out "$out/fused_fp8" --ms "${FUSED_MS:-128,256,512,1024,2048}"

@@ -41,22 +41,14 @@ class ActQuantConfig:
             raise ValueError(f"blocks must be a power of two and tiles at least 1, got {self}")
 
 
-#: Programs below which the rule splits a token's row over several programs (16 programs of
-#: 4 warps an SM, the most one SM holds, on 132 SMs).
-ROW_SPLIT_BELOW = 16 * 132
-
-
 def actquant_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> ActQuantConfig:
-    """The rule: tiles of up to 8 blocks, the most that divide the row's blocks (no masked
-    tile); a whole row a program once M fills the GPU with programs (``ROW_SPLIT_BELOW``), else
-    one tile a program. The note at the end of this file has the measurements; the device does not
-    change the choice."""
+    """The rule: a whole row a program, in tiles of 16 blocks where they divide the row and of
+    8 otherwise (fewer for rows of fewer blocks; the last tile's blocks past the row are masked).
+    The note at the end of this file has the measurements; M and the device do not change the
+    choice."""
     nkb = qw.padded_shape[1] // HAD_BLOCK
-    blocks = 1
-    while blocks < 8 and nkb % (2 * blocks) == 0:
-        blocks *= 2
-    tiles = nkb // blocks if m >= ROW_SPLIT_BELOW else 1
-    return ActQuantConfig(blocks=blocks, tiles=tiles)
+    blocks = min(16 if nkb % 16 == 0 else 8, 1 << (nkb - 1).bit_length())
+    return ActQuantConfig(blocks=blocks, tiles=-(-nkb // blocks))
 
 
 def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,

@@ -73,7 +73,7 @@ def _launches() -> Iterator[str]:
     from ..format import codebooks, random_qweight
     from ..norm import HeadNorm, RowNorm
     from ..quant.encode import Backend, EncodeOptions, encode_tiles
-    from .actquant import ROW_SPLIT_BELOW, actquant
+    from .actquant import actquant
     from .codec import CodecPath
     from .decode import decode, decode_config
     from .decode_fp8 import _launch as decode_fp8_launch
@@ -121,9 +121,10 @@ def _launches() -> Iterator[str]:
             yield f"dequant_{'fp8' if fp8 else 'bf16'} K={bits}"
             _dequant_once(x(128), qw, fp8, dataclasses.replace(dequant_once_config(qw, 128, cuda), **ptx), "check")
         if bits == 2:
+            wide = random_qweight(256, 2560, bits=2, seed=7)
             for fp8 in (True, False):
-                yield f"actquant {'fp8' if fp8 else 'bf16'}, whole rows a program (the rule from {ROW_SPLIT_BELOW} tokens)"
-                actquant(x(ROW_SPLIT_BELOW), qw, fp8=fp8)
+                yield f"actquant {'fp8' if fp8 else 'bf16'}, 2560 inputs (3 tiles a row)"
+                actquant(torch.randn(300, 2560, dtype=torch.bfloat16), wide, fp8=fp8)
         yield f"dequant_core_fp8 K={bits} (dequantize_core, hadamard_output_dense)"
         dequant_core_fp8(x(128), qw)
         yield f"dequant_core_bf16 K={bits}"
