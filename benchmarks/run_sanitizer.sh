@@ -2,9 +2,7 @@
 # compute-sanitizer memcheck and racecheck over every kernel (benchmarks/sanitizer_cases.py).
 # Usage: benchmarks/run_sanitizer.sh OUT_FILE   (run on a CUDA machine from the repository root)
 # ESCHA_SANITIZER_TOOLS (default "memcheck racecheck") and ESCHA_SANITIZER_GRID=small (a reduced
-# shape grid; racecheck is slow) narrow a run; ESCHA_SANITIZER_KERNELS checks only the kernels whose
-# names contain it ("_kernel": escha's Triton and Gluon kernels, not the library GEMMs beside them,
-# whose warp-specialized pipelines racecheck reports as hazards).
+# shape grid; racecheck is slow) narrow a run.
 set -uo pipefail
 out=${1:-sanitizer_report.txt}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,7 +17,6 @@ status=0
 for tool in ${ESCHA_SANITIZER_TOOLS:-memcheck racecheck}; do
   echo "## $tool (grid: ${ESCHA_SANITIZER_GRID:-full})" >> "$out"
   compute-sanitizer --tool "$tool" --print-limit 50 --error-exitcode 99 \
-      ${ESCHA_SANITIZER_KERNELS:+--kernel-name "kns=$ESCHA_SANITIZER_KERNELS"} \
       python benchmarks/sanitizer_cases.py >> "$out" 2>&1
   rc=$?
   echo "exit code: $rc" >> "$out"
