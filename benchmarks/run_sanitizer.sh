@@ -2,7 +2,8 @@
 # compute-sanitizer memcheck and racecheck over every kernel (benchmarks/sanitizer_cases.py).
 # Usage: benchmarks/run_sanitizer.sh OUT_FILE   (run on a CUDA machine from the repository root)
 # ESCHA_SANITIZER_TOOLS (default "memcheck racecheck") and ESCHA_SANITIZER_GRID=small (a reduced
-# shape grid; racecheck is slow) narrow a run.
+# shape grid; racecheck is slow) narrow a run; ESCHA_SANITIZER_PRINT_LIMIT (default 50) is how many
+# reports compute-sanitizer prints, enough to name the kernel of every hazard it counts.
 set -uo pipefail
 out=${1:-sanitizer_report.txt}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -16,7 +17,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 for tool in ${ESCHA_SANITIZER_TOOLS:-memcheck racecheck}; do
   echo "## $tool (grid: ${ESCHA_SANITIZER_GRID:-full})" >> "$out"
-  compute-sanitizer --tool "$tool" --print-limit 50 --error-exitcode 99 \
+  compute-sanitizer --tool "$tool" --print-limit "${ESCHA_SANITIZER_PRINT_LIMIT:-50}" --error-exitcode 99 \
       python benchmarks/sanitizer_cases.py >> "$out" 2>&1
   rc=$?
   echo "exit code: $rc" >> "$out"

@@ -89,9 +89,22 @@ def run_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, prepared: tu
 
 # Configuration note. The activation pass was two launches of tensor-core kernels (a [64, 128]
 # tile a program against the loaded +-1 matrix): pass 1 wrote each block's true max |x'|, pass 2
-# reduced them to the row's scale (448 / max), transformed the block again and stored e4m3. On
-# the H200 it took 12.6 / 32.0 / 136.0 us at gate_up M = 512 / 2048 / 8192 and 18.5 / 56.3 /
-# 234.1 on down (prefill_h200_v6), 3-4x the bytes it moves at the copy rate (x read, e4m3
-# written). It is in git history before this file's rewrite. The rule above is the starting
-# point of the measurement that replaces this paragraph (benchmarks/bench_prefill.py's
-# part-actquant arms).
+# reduced them to the row's scale (448 / max), transformed the block again and stored e4m3 (in git
+# history before this file's rewrite). One launch of the input transform replaces both. Measured
+# on the H200 (benchmarks/results/actquant_h200/, bench_prefill.py's part-actquant arms, us, one
+# process each; the two passes from the A/B run's base tree):
+#
+#   gate_up (40 blocks a row), M = 512 / 2048 / 8192      down (68 blocks), same M
+#   two passes       12.6 /  37.0 / 136.7                 18.6 / 60.7 / 234.2
+#   rule (8 x 5)      6.0 /  18.2 /  70.9   (8 x 9)        8.3 / 29.8 / 109.6
+#   one tile a prog.  9.6 /  36.2 / 161.3                 18.9 / 83.2 / 398.5
+#   half a row        7.2 /  25.0 / 102.7                  9.7 / 36.9 / 156.6
+#   4-block tiles     6.8 /  21.0 /  80.2                  9.6 / 34.7 / 127.1
+#   16-block tiles    6.0 /  18.9 /  73.9                  8.1 / 28.7 / 111.1
+#   32-block tiles    6.6 /  23.1 /  91.7                  8.9 / 33.1 / 133.3
+#
+# Whole rows a program won at every point: a program's later tiles re-read its row from L2 right
+# after the row pass read it, where split rows pay that pass once a program. Tiles of 8 or 16
+# blocks are within 4% of each other (16 leaves masked blocks on down's 68 and gate_up's 40: 8
+# there). At 8192 tokens on gate_up the pass moves 126 MB (x read, e4m3 written): 46 us at the
+# 2.71 TB/s copy rate of this GPU, so the rule runs at 1.5x its memory floor.
