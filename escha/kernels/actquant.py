@@ -10,7 +10,8 @@ exceeds 2**8 (< 448: nothing saturates), and xscale = 2**-e, so x'_true = x'.flo
 (the Hadamard's 1/sqrt(128) is applied before the rounding). A power of two costs no rounding of
 its own; values below e4m3's normal range (2**-6 of the bound's 2**8) lose relative precision,
 which the GEMM tests' tolerance and the paths' error against fp64 bound (docs/KERNELS.md,
-"Prefill"). A row holding an infinity becomes NaN (e4m3 has none), a NaN stays NaN in its block.
+"Prefill"). A row holding a NaN or an infinity comes out NaN, its values and its scale (e4m3 has
+no infinity), so the product's row is NaN, as through the reference.
 bf16: bf16(x'), unscaled, no row pass.
 """
 from __future__ import annotations

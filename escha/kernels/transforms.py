@@ -94,12 +94,17 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
     if not BF16:
         # The row's max |x| (every program of the row computes the same value).
         amax = tl.zeros([AMAX_BLOCK], dtype=tl.float32)
+        nan = tl.zeros([AMAX_BLOCK], dtype=tl.int32)
         for i in tl.static_range(AMAX_STEPS):
             kr = i * AMAX_BLOCK + tl.arange(0, AMAX_BLOCK)
             v = _normed(tl.load(row + kr * stride_xk, mask=kr < K_in, other=0.0).to(tl.float32), nw_ptr, kr,
                         kr < K_in, rstd, NORM, X_DTYPE)
             amax = tl.maximum(amax, tl.abs(v))
+            if FP8:  # max() may drop a NaN (on the GPU and in the interpreter): count them
+                nan += (v != v).to(tl.int32)
         a = tl.max(amax, axis=0)
+        if FP8:  # a row holding a NaN: its max reads NaN, so its factor and values are NaN below
+            a = tl.where(tl.sum(nan, axis=0) > 0, float("nan"), a)
         # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
         if FP8:  # e4m3: |x' * 2**e| <= 2**8 < 448
             q = 256.0 / (a * SQRT_HAD)
@@ -110,9 +115,12 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
         scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
         if pc == 0:
             if FP8 and MMA_ORDER:
-                tl.store(inv_ptr + m, ((121 - e) << 23).to(tl.float32, bitcast=True))  # 2**-e / 64
+                f = ((121 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e / 64
             else:
-                tl.store(inv_ptr + m, ((127 - e) << 23).to(tl.float32, bitcast=True))
+                f = ((127 - e) << 23).to(tl.float32, bitcast=True)
+            if FP8:  # a non-finite row's factor is NaN too, whatever its e4m3 values carry
+                f = tl.where((a == float("inf")) | (a != a), float("nan"), f)
+            tl.store(inv_ptr + m, f)
     for t in range(TILES):
         if t > 0:  # the next tile of this program's run (the first was loaded above)
             b = (pc * TILES + t) * CH + tl.arange(0, CH)[:, None]
