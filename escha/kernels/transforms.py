@@ -103,8 +103,8 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
             if FP8:  # max() may drop a NaN (on the GPU and in the interpreter): count them
                 nan += (v != v).to(tl.int32)
         a = tl.max(amax, axis=0)
-        if FP8:  # a row holding a NaN: its max reads NaN, so its factor and values are NaN below
-            a = tl.where(tl.sum(nan, axis=0) > 0, float("nan"), a)
+        if FP8:  # a row holding a NaN or an infinity reads NaN here: its factor and values are NaN below
+            a = tl.where((tl.sum(nan, axis=0) > 0) | (a == float("inf")), float("nan"), a)
         # e = floor(log2(2**15 / (sqrt(128) * amax))) read off the fp32 exponent field, clamped.
         if FP8:  # e4m3: |x' * 2**e| <= 2**8 < 448
             q = 256.0 / (a * SQRT_HAD)
@@ -119,7 +119,7 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
             else:
                 f = ((127 - e) << 23).to(tl.float32, bitcast=True)
             if FP8:  # a non-finite row's factor is NaN too, whatever its e4m3 values carry
-                f = tl.where((a == float("inf")) | (a != a), float("nan"), f)
+                f = tl.where(a != a, float("nan"), f)
             tl.store(inv_ptr + m, f)
     for t in range(TILES):
         if t > 0:  # the next tile of this program's run (the first was loaded above)
@@ -145,9 +145,9 @@ def _transform_tile(xt, sv, b, k, nw_ptr, xq_ptr, m, rstd, scale, a, Kp, K_in, C
         tl.store(xq_ptr + m.to(tl.int64) * Kp + k, round_to(h, tl.bfloat16), mask=k < Kp)
     elif FP8:
         # e4m3 has no infinity (a saturating conversion would turn one into 448): a row holding
-        # one becomes NaN, as its product through the reference does; so does a row whose max
-        # came out NaN (a NaN's own block is NaN through the butterflies either way).
-        h = tl.where((a == float("inf")) | (a != a), float("nan"), h)
+        # one, or a NaN, reads a = NaN from the row pass and becomes NaN, as its product through
+        # the reference does.
+        h = tl.where(a != a, float("nan"), h)
         if MMA_ORDER:
             # T column 32 t + 16 u + 8 e + 2 s + h sits at MMA column 32 s + 16 h + 4 t + 2 u + e
             # (decode_fp8.fp8_mma_column_order): bits (t1 t0 u e s1 s0 h) -> (s1 s0 h t1 t0 u e).
@@ -232,6 +232,8 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     dtype = FP8_DTYPE if fp8 else torch.bfloat16 if bf16 else torch.float16
     out = torch.empty((m, input_columns(kp, halves)), dtype=dtype, device=x2d.device)
     inv_scale = None if bf16 else torch.empty((m,), dtype=torch.float32, device=x2d.device)
+    if m == 0:
+        return out, inv_scale, None
     ch = blocks or input_blocks_per_program(m, kp // HAD_BLOCK, parallel=not interpreted())
     grid = (m, triton.cdiv(kp // HAD_BLOCK, ch * tiles))
     # The row in chunks of up to 8192 inputs, all loaded at once (the loops are unrolled). The
@@ -244,8 +246,6 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
                     NORM=norm is not None,
                     X_DTYPE=TL_DTYPES[x2d.dtype], FP8=fp8, BF16=bf16, TILES=tiles, num_warps=4,
                     launch_pdl=dependent_launch)
-    if m == 0:
-        return out, inv_scale, None
     return out, inv_scale, prepare(_input_transform_kernel, grid, *args, slots=INPUT_SLOTS if keep else None,
                                    **settings)
 
