@@ -101,7 +101,9 @@ class PathOp:
     ``run(x, qw)`` returns y in x's dtype; ``max_m`` is the most rows it serves (None: any);
     ``kernel`` says it needs the Triton kernels (common.kernels_run_on); ``runs_on(device, bits)``,
     when given, narrows where it runs further; ``fuses_norm``: ``run(x, qw, norm=...)`` applies a
-    RowNorm to x in its own input transform (the other paths get x normalised first).
+    RowNorm to x in its own input transform (the other paths get x normalised first);
+    ``fuses_head_norm``: ``run(x, qw, head_norm=...)`` applies a HeadNorm to y in its output
+    transform (the other paths' y goes through it after).
     """
 
     run: Callable[..., torch.Tensor]
@@ -109,6 +111,7 @@ class PathOp:
     kernel: bool = True
     runs_on: Callable[[torch.device, int], bool] | None = None
     fuses_norm: bool = False  # run(x, qw, norm=RowNorm) applies the norm in its input transform
+    fuses_head_norm: bool = False  # run(x, qw, head_norm=HeadNorm) applies it in its output transform
 
     def available(self, device: torch.device, bits: int, m: int, kernels: bool) -> bool:
         """Whether this op can run M rows of a K=bits weight on ``device``."""
@@ -125,14 +128,14 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
     from .kernels.decode_wgmma import decode_wgmma, runs_on
     return {
         KernelPath.REFERENCE: PathOp(reference, kernel=False),
-        KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M, fuses_norm=True),
-        KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on, fuses_norm=True),
-        KernelPath.PREFILL: PathOp(prefill),
-        KernelPath.DEQUANT_FP8: PathOp(dequant_fp8),
-        KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8),
-        KernelPath.DEQUANT_BF16: PathOp(dequant_bf16),
-        KernelPath.DEQUANT_CORE_BF16: PathOp(dequant_core_bf16),
-        KernelPath.DECODE_FP8: PathOp(decode_fp8, runs_on=runs_on, fuses_norm=True),
+        KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M, fuses_norm=True, fuses_head_norm=True),
+        KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on, fuses_norm=True, fuses_head_norm=True),
+        KernelPath.PREFILL: PathOp(prefill, fuses_norm=True),
+        KernelPath.DEQUANT_FP8: PathOp(dequant_fp8, fuses_norm=True),
+        KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8, fuses_norm=True),
+        KernelPath.DEQUANT_BF16: PathOp(dequant_bf16, fuses_norm=True),
+        KernelPath.DEQUANT_CORE_BF16: PathOp(dequant_core_bf16, fuses_norm=True),
+        KernelPath.DECODE_FP8: PathOp(decode_fp8, runs_on=runs_on, fuses_norm=True, fuses_head_norm=True),
     }
 
 
@@ -309,7 +312,7 @@ def _product(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None
             kwargs["norm"] = norm
         else:
             x2d = norm.apply(x2d)
-    if head is not None and op.fuses_norm and head.fusable(x2d):  # y has x2d's dtype and device
+    if head is not None and op.fuses_head_norm and head.fusable(x2d):  # y has x2d's dtype and device
         kwargs["head_norm"], head = head, None
     y = op.run(x2d, qw, **kwargs)
     if head is not None:
@@ -375,8 +378,10 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
         precision: ``"fp8"`` (default; fp8 e4m3 GEMM operands) or ``"bf16"`` (accuracy-first:
             dequantize to bf16 and multiply in bf16). Ignored when ``path`` is given.
         rule: the dispatch thresholds; None means DEFAULT_RULE.
-        norm: an ``escha.RowNorm`` (the RMSNorm before the layer) to apply to x first: the decode
-            kernels do it in their input transform, the other paths before it (``RowNorm.apply``).
+        norm: an ``escha.RowNorm`` (the RMSNorm before the layer) to apply to x first: every
+            kernel path does it in its input transform or activation pass when the norm's weight
+            has x's dtype (``RowNorm.fusable``), the reference path and other weights before it
+            (``RowNorm.apply``).
         head_norm: an ``escha.norm.HeadNorm`` (the per-head RMSNorm after the layer, e.g. Qwen3's
             q_norm) to apply to y's flagged 128-row heads: the decode kernels do it in their output
             transform, the other paths after it (``HeadNorm.apply``).

@@ -22,6 +22,7 @@ import torch
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
+from ..norm import RowNorm
 from .common import FP8_DTYPE, check_operands
 from .transforms import prepare_input
 
@@ -52,40 +53,44 @@ def actquant_config(qw: QuantizedWeight, m: int, device: torch.device | None = N
     return ActQuantConfig(blocks=blocks, tiles=-(-nkb // blocks))
 
 
-def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True,
-             config: ActQuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def actquant(x: torch.Tensor, qw: QuantizedWeight, *, fp8: bool = True, config: ActQuantConfig | None = None,
+             norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [..., in] (fp16/bf16/fp32) -> (x' [M, Kp], xscale [M] or None), x' = Hk (sv * pad(x)).
 
     fp8=True: x' is float8_e4m3fn and x'_true[m] = x'[m].float() * xscale[m], xscale a power of
     two (the Hadamard's 1/sqrt(128) is applied before the rounding). fp8=False: x' is bfloat16,
-    already normalized. ``config`` overrides ``actquant_config``.
+    already normalized. ``config`` overrides ``actquant_config``. ``norm`` (an ``escha.RowNorm``
+    whose weight has x's dtype and device: ``RowNorm.fusable``) applies the RMSNorm before the
+    layer to each row first, as the model computes it.
     """
     check_operands(x, qw, "actquant")
-    return prepare_actquant(x.reshape(-1, x.shape[-1]), qw, fp8, config, keep=False)[:2]
+    return prepare_actquant(x.reshape(-1, x.shape[-1]), qw, fp8, config, keep=False, norm=norm)[:2]
 
 
 def prepare_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: ActQuantConfig | None,
-                     keep: bool) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+                     keep: bool, norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                    tuple | None]:
     """``actquant`` of x2d [M, in] (checked by the caller; any strides) and, with ``keep``, its
     launch prepared to run again (a one-element tuple of ``common.Prepared``, slots
     ``transforms.INPUT_SLOTS``), else (or where nothing is kept, ``common.prepare``) None. x2d
-    must have unit column stride for it to apply again: callers key on it."""
+    must have unit column stride for it to apply again, and a norm the same eps: callers key on
+    both."""
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     cfg = config or actquant_config(qw, x2d.shape[0], x2d.device)
     out, xscale, plan = prepare_input(x2d, qw, keep=keep, fp8=fp8, bf16=not fp8, blocks=cfg.blocks,
-                                      tiles=cfg.tiles)
+                                      tiles=cfg.tiles, norm=norm)
     return out, xscale, None if plan is None else (plan,)
 
 
-def run_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, prepared: tuple) -> tuple[torch.Tensor,
-                                                                                            torch.Tensor | None]:
-    """``prepare_actquant``'s launch again on a new x2d of the same key (unit column stride)."""
+def run_actquant(x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, prepared: tuple,
+                 norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``prepare_actquant``'s launch again on a new x2d (and norm weight) of the same key."""
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
     out = torch.empty((m, kp), device=x2d.device, dtype=FP8_DTYPE if fp8 else torch.bfloat16)
     xscale = torch.empty((m,), device=x2d.device, dtype=torch.float32) if fp8 else None
-    prepared[0].run(x2d, out, out if xscale is None else xscale, x2d)
+    prepared[0].run(x2d, out, out if xscale is None else xscale, x2d if norm is None else norm.weight)
     return out, xscale
 
 # Configuration note. The activation pass was two launches of tensor-core kernels (a [64, 128]

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
+from ..norm import RowNorm
 from .actquant import actquant_config, prepare_actquant, run_actquant
 from .codec import CodecPath, codec_path, decode_block
 from .dequant import DequantConfig, dequant_config, prepare_dequantize_core
@@ -148,12 +149,20 @@ def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,
     return ((a.float() @ b_t.float()) * scale_a[:, None] * scale_b[None, :]).to(torch.bfloat16)
 
 
-def _plan_key(kind: str, x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, cfg: object) -> tuple:
+def _plan_key(kind: str, x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, cfg: object,
+              norm: RowNorm | None) -> tuple:
     """What the prepared launches of a dequantize-once call fix: the path, the weight's other
-    tensors, M, x's dtype, row stride and 16-byte alignment, and the configurations."""
+    tensors, M, x's dtype, row stride and 16-byte alignment, the configurations, and whether a
+    norm goes into the activation pass (its eps; its weight is a per-call argument)."""
     m = x2d.shape[0]
     return (kind, fp8, cfg, actquant_config(qw, m, x2d.device), id(qw.su), id(qw.sv), id(qw.scale), id(qw.gscale),
-            m, x2d.dtype, x2d.stride(0), x2d.data_ptr() % 16 == 0)
+            m, x2d.dtype, x2d.stride(0), x2d.data_ptr() % 16 == 0, None if norm is None else norm.eps)
+
+
+def _checked_norm(x2d: torch.Tensor, norm: RowNorm | None, op: str) -> None:
+    if norm is not None and not norm.fusable(x2d):
+        raise ValueError(f"{op}: the norm's weight must be a [{x2d.shape[1]}] {x2d.dtype} tensor on {x2d.device} "
+                         f"to be applied in the activation pass")
 
 
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
@@ -162,8 +171,8 @@ def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantOnceConfig | None,
-                  op: str) -> torch.Tensor:
-    """y = x @ W_hat^T through the dense scratch (fp8 or bf16 GEMM), in x's dtype.
+                  op: str, norm: RowNorm | None = None) -> torch.Tensor:
+    """y = x @ W_hat^T (norm(x) with ``norm``) through the dense scratch (fp8 or bf16 GEMM), in x's dtype.
 
     The first call of a key (``_plan_key``) launches through Triton and keeps the launches
     prepared (``common.Prepared``, in ``common.weight_plans``); later calls launch them again.
@@ -171,18 +180,19 @@ def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
     check_operands(x, qw, op)
     check_codebook(qw, op)
     x2d = _unit_stride_rows(x)
+    _checked_norm(x2d, norm, op)
     cfg = config or dequant_once_config(qw, x2d.shape[0], x.device)
     plans = weight_plans(qw)
-    key = _plan_key("hn", x2d, qw, fp8, cfg)
+    key = _plan_key("hn", x2d, qw, fp8, cfg, norm)
     plan = plans.get(key)
     if plan is not None and x2d.shape[0] > 0:
         p_w, p_act = plan
         w, ws = scratch(qw, fp8)
         p_w.run(w, ws if fp8 else w)
-        xq, xscale = run_actquant(x2d, qw, fp8, p_act)
+        xq, xscale = run_actquant(x2d, qw, fp8, p_act, norm)
     else:
         w, ws, p_w = _dequant_hn(qw, fp8, cfg, keep=True)
-        xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True)
+        xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True, norm=norm)
         if p_w is not None and p_act is not None:
             plans[key] = (p_w, p_act)
     y = scaled_mm_rowwise(xq, w.t(), xscale, ws) if fp8 else xq @ w.t()
@@ -193,42 +203,47 @@ def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
-def dequant_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceConfig | None = None) -> torch.Tensor:
+def dequant_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceConfig | None = None,
+                norm: RowNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T in x's dtype: the weight dequantized once to an e4m3
     scratch (with Hn applied), then one fp8 GEMM with row-wise scales. ``config`` overrides
-    ``dequant_once_config``."""
-    return _dequant_once(x, qw, True, config, "dequant_fp8")
+    ``dequant_once_config``; ``norm`` (``RowNorm.fusable``) applies the RMSNorm before the layer
+    in the activation pass."""
+    return _dequant_once(x, qw, True, config, "dequant_fp8", norm)
 
 
-def dequant_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceConfig | None = None) -> torch.Tensor:
+def dequant_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantOnceConfig | None = None,
+                 norm: RowNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T in x's dtype: the weight dequantized once to a bf16
     scratch (r * Hn T), then one bf16 GEMM (the accuracy-first path). ``config`` overrides
-    ``dequant_once_config``."""
-    return _dequant_once(x, qw, False, config, "dequant_bf16")
+    ``dequant_once_config``; ``norm`` as in ``dequant_fp8``."""
+    return _dequant_once(x, qw, False, config, "dequant_bf16", norm)
 
 def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: DequantConfig | None,
-                  op: str) -> torch.Tensor:
-    """y = x @ W_hat^T through a scratch of the plain core T, the GEMM z = x' T^T, then Hn and
-    the row scales in one pass over z. Launches kept per key as in ``_dequant_once``."""
+                  op: str, norm: RowNorm | None = None) -> torch.Tensor:
+    """y = x @ W_hat^T (norm(x) with ``norm``) through a scratch of the plain core T, the GEMM
+    z = x' T^T, then Hn and the row scales in one pass over z. Launches kept per key as in
+    ``_dequant_once``."""
     check_operands(x, qw, op)
     check_codebook(qw, op)
     x2d = _unit_stride_rows(x)
+    _checked_norm(x2d, norm, op)
     m = x2d.shape[0]
     np_, kp = qw.padded_shape
     dtype = FP8_DTYPE if fp8 else torch.bfloat16
     cfg = config or dequant_config(qw, x.device)
     plans = weight_plans(qw)
-    key = _plan_key("core", x2d, qw, fp8, cfg)
+    key = _plan_key("core", x2d, qw, fp8, cfg, norm)
     plan = plans.get(key)
     t = workspace(qw.device, dtype, (np_, kp))
     if plan is not None and m > 0:
         p_t, p_act, p_out = plan
         t_scale = 1.0 / CORE_FP8_SCALE.value if fp8 else 1.0
         p_t.run(t)
-        xq, xscale = run_actquant(x2d, qw, fp8, p_act)
+        xq, xscale = run_actquant(x2d, qw, fp8, p_act, norm)
     else:
         t, t_scale, p_t = prepare_dequantize_core(qw, dtype, cfg, t, keep=True)
-        xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True)
+        xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True, norm=norm)
         p_out = None
     z = scaled_mm_rowwise(xq, t.t(), xscale, constant_vector(x.device, np_, t_scale)) if fp8 else xq @ t.t()
     y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
@@ -241,22 +256,24 @@ def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
-def dequant_core_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantConfig | None = None) -> torch.Tensor:
+def dequant_core_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantConfig | None = None,
+                     norm: RowNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T in x's dtype through a scratch of the plain core:
     e4m3(64 T) (``dequantize_core``, no Hadamard product while decoding), one fp8 GEMM
     z = x' T^T with row-wise scales, then Hn and the row scales in one pass over z
     (``transforms.hadamard_output_dense``). It trades dequant_fp8's 128x128 product per weight
     block for a read and a write of [M, Np]: cheaper for few tokens. ``config`` overrides
-    ``dequant_config``."""
-    return _dequant_core(x, qw, True, config, "dequant_core_fp8")
+    ``dequant_config``; ``norm`` as in ``dequant_fp8``."""
+    return _dequant_core(x, qw, True, config, "dequant_core_fp8", norm)
 
 
-def dequant_core_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantConfig | None = None) -> torch.Tensor:
+def dequant_core_bf16(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantConfig | None = None,
+                      norm: RowNorm | None = None) -> torch.Tensor:
     """``dequant_core_fp8`` at the bf16 precision: bf16(T) (two bytes a weight, no Hadamard
     product), x' in bf16, one bf16 GEMM z = x' T^T (bf16), then Hn and the row scales in one pass
     over z. Against dequant_bf16 (bf16(r Hn T) while decoding) it rounds once more (z to bf16,
-    2**-9). ``config`` overrides ``dequant_config``."""
-    return _dequant_core(x, qw, False, config, "dequant_core_bf16")
+    2**-9). ``config`` overrides ``dequant_config``; ``norm`` as in ``dequant_fp8``."""
+    return _dequant_core(x, qw, False, config, "dequant_core_bf16", norm)
 
 
 # Configuration note. The kernel decodes each weight once, adds a 128x128xBK fp16 product per

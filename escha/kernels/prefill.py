@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE
+from ..norm import RowNorm
 from .actquant import actquant
 from .codec import CodecPath, codec_path, state_values
 from .common import (ACTIVATION_DTYPES, CORE_FP8_SCALE, INV_SQRT_HAD, check_codebook, check_operands,
@@ -117,10 +118,11 @@ def prefill_config(qw: QuantizedWeight, m: int, device: torch.device | None = No
 
 
 def prefill(x: torch.Tensor, qw: QuantizedWeight, *, config: PrefillConfig | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, norm: RowNorm | None = None) -> torch.Tensor:
     """y[..., out] = x[..., in] @ W_hat^T through the fused fp8 kernel, in x's dtype.
 
-    The activations are transformed and quantized to e4m3 first (``actquant``). ``config``
+    The activations are transformed and quantized to e4m3 first (``actquant``, which applies
+    ``norm``, the RMSNorm before the layer, when given: ``RowNorm.fusable``). ``config``
     overrides ``prefill_config``. ``out``, if given, is a preallocated [M, out_features] fp16,
     bf16 or fp32 tensor with unit column stride; y is written there in its dtype and returned.
     """
@@ -137,7 +139,10 @@ def prefill(x: torch.Tensor, qw: QuantizedWeight, *, config: PrefillConfig | Non
     else:
         y = out
     if m:
-        xq, xscale = actquant(x2d, qw)
+        if norm is not None and not norm.fusable(x2d):
+            raise ValueError(f"prefill: the norm's weight must be a [{qw.in_features}] {x2d.dtype} tensor on "
+                             f"{x2d.device} to be applied in the activation pass")
+        xq, xscale = actquant(x2d, qw, norm=norm)
         np_, kp = qw.padded_shape
         grid = (triton.cdiv(m, cfg.block_m) * (np_ // BLOCK_N),)
         # Kp and KT are compile-time constants: constant loop bounds and folded tile strides, one
