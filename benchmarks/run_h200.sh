@@ -9,6 +9,8 @@
 #                  call of at most 10 minutes.
 # PHASE "suite":   the whole test suite on the GPU (pytest -m "not slow": every test whose tensors
 #                  go to CUDA when there is one, not only the gpu-marked ones "check" runs).
+# PHASE "gpu-suite": every gpu-marked test, then memcheck and racecheck of the prefill paths with
+#                  and without the RMSNorm in their activation pass.
 # PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
 #                  tunes itself at each point, about 40 s a point.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
@@ -109,7 +111,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -286,6 +288,16 @@ case "$phase" in
     for tool in racecheck memcheck; do
       step "sanitize_$tool" 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=dequant-fp8,dequant-core-fp8,dequant-bf16,dequant-core-bf16,prefill \
         ESCHA_SANITIZER_MS=65,130 ESCHA_SANITIZER_SHAPES=17x130,33x1300,40x2560 ESCHA_SANITIZER_TOOLS=$tool \
+        ESCHA_SANITIZER_PRINT_LIMIT=1000 benchmarks/run_sanitizer.sh "$out/sanitizer_$tool.txt"
+    done
+    ;;
+  gpu-suite)
+    step gpu_suite 400 python -m pytest -q -m gpu -p no:cacheprovider tests
+    # The RMSNorm in the prefill paths' activation pass (every sanitizer case runs each path with
+    # and without it): one token count and two shapes, which give one and two tiles a row.
+    for tool in memcheck racecheck; do
+      step "sanitize_$tool" 90 env ESCHA_SANITIZER_PATHS=dequant-fp8,dequant-core-fp8,dequant-bf16,dequant-core-bf16,prefill \
+        ESCHA_SANITIZER_MS=65 ESCHA_SANITIZER_SHAPES=17x130,33x1300 ESCHA_SANITIZER_TOOLS=$tool \
         ESCHA_SANITIZER_PRINT_LIMIT=1000 benchmarks/run_sanitizer.sh "$out/sanitizer_$tool.txt"
     done
     ;;
