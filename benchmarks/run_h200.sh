@@ -11,6 +11,8 @@
 #                  go to CUDA when there is one, not only the gpu-marked ones "check" runs).
 # PHASE "gpu-suite": every gpu-marked test, then memcheck and racecheck of the prefill paths with
 #                  and without the RMSNorm in their activation pass.
+# PHASE "core-gemm": benchmarks/probe_core_gemm.py: the plain-core path with its own fp8 GEMM that
+#                  applies Hn in the epilogue, against the library's (cuBLAS, then the pass over z).
 # PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
 #                  tunes itself at each point, about 40 s a point.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
@@ -111,7 +113,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -300,6 +302,9 @@ case "$phase" in
         ESCHA_SANITIZER_MS=65 ESCHA_SANITIZER_SHAPES=17x130,33x1300 ESCHA_SANITIZER_TOOLS=$tool \
         ESCHA_SANITIZER_PRINT_LIMIT=1000 benchmarks/run_sanitizer.sh "$out/sanitizer_$tool.txt"
     done
+    ;;
+  core-gemm)
+    step probe_core_gemm "${CORE_SECONDS:-200}" python benchmarks/probe_core_gemm.py --out "$out/core_gemm"
     ;;
   fused-fp8)
     step probe_fused_fp8 360 python benchmarks/probe_fused_fp8.py --out "$out/fused_fp8" --ms "${FUSED_MS:-128,256,512,1024,2048}"
