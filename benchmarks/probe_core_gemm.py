@@ -35,57 +35,65 @@ import triton.language as tl
 from escha.kernels.common import (CORE_FP8_SCALE, INV_SQRT_HAD, dot_dtype, hadamard_operand, load_hadamard, round_to,
                                  row_scale_block)
 
-# (BM, BK, warps, stages): 128-wide output blocks (one Hadamard block), e4m3 operands.
-CONFIGS = {"128x128w8s4": (128, 128, 8, 4), "128x128w4s4": (128, 128, 4, 4),
-           "256x128w8s3": (256, 128, 8, 3), "256x128w8s4": (256, 128, 8, 4),
-           "64x128w4s5": (64, 128, 4, 5)}
+# (BM, BK, warps, stages, persistent): 128-wide output blocks (one Hadamard block), e4m3
+# operands; persistent: one program an SM walks the blocks (no partial last wave).
+CONFIGS = {"128x128w8s4": (128, 128, 8, 4, False), "128x128w4s4": (128, 128, 4, 4, False),
+           "256x128w8s3": (256, 128, 8, 3, False), "256x128w8s4": (256, 128, 8, 4, False),
+           "64x128w4s5": (64, 128, 4, 5, False), "128x128w8s4p": (128, 128, 8, 4, True),
+           "256x128w8s3p": (256, 128, 8, 3, True)}
 
 
 @triton.jit
 def core_gemm_kernel(xq_ptr, xscale_ptr, t_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, M, N_out,
-                     stride_xm, stride_ym, Kp: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """y[pid_m*BM.., pid_n*128..] = crop(xscale * ((x' T^T) H) * g*c*su / (64 sqrt(128))).
+                     stride_xm, stride_ym, num_blocks, PER_PROG: tl.constexpr, Kp: tl.constexpr, BM: tl.constexpr,
+                     BK: tl.constexpr):
+    """Blocks pid, pid + programs, ... (PER_PROG of them at most; a constexpr: the interpreter takes no tensor loop bound) of y, block b = [b%num_m*BM.., b//num_m*128..]:
+    crop(xscale * ((x' T^T) H) * g*c*su / (64 sqrt(128))).
 
     Rows fastest: the programs resident at one time share a weight block, which streams from
     memory once, while x' stays in L2."""
-    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < M
-    cols = pid_n * 128 + tl.arange(0, 128)
-    k = tl.arange(0, BK)
-    a_ptrs = xq_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :]
-    b_ptrs = t_ptr + cols[:, None].to(tl.int64) * Kp + k[None, :]
-    acc = tl.zeros([BM, 128], dtype=tl.float32)
-    for _ in range(0, Kp // BK):
-        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        b = tl.load(b_ptrs)
-        acc = tl.dot(a, tl.trans(b), acc)
-        a_ptrs += BK
-        b_ptrs += BK
-    # z in bf16, as the library GEMM returns it; +-1 and bf16 are exact tensor-core operands.
-    # (Interpreted, the operands are fp32 holding the same values: common.dot_dtype.)
-    h = load_hadamard(h_ptr)
-    z = tl.dot(round_to(acc, tl.bfloat16).to(h.dtype), h)
-    r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N_out) * (INV_SQRT_HAD / CORE_FP8_SCALE)
-    xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
-    y = z * xs[:, None] * r[None, :]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], round_to(y, y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (cols[None, :] < N_out))
+    for i in range(0, PER_PROG):
+        b = tl.program_id(0) + i * tl.num_programs(0)
+        b = tl.minimum(b, num_blocks - 1)  # a program past the end redoes the last block (same values)
+        pid_m = b % num_m
+        pid_n = b // num_m
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        cols = pid_n * 128 + tl.arange(0, 128)
+        k = tl.arange(0, BK)
+        a_ptrs = xq_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :]
+        b_ptrs = t_ptr + cols[:, None].to(tl.int64) * Kp + k[None, :]
+        acc = tl.zeros([BM, 128], dtype=tl.float32)
+        for _ in range(0, Kp // BK):
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(b_ptrs)
+            acc = tl.dot(a, tl.trans(w), acc)
+            a_ptrs += BK
+            b_ptrs += BK
+        # z in bf16, as the library GEMM returns it; +-1 and bf16 are exact tensor-core operands.
+        # (Interpreted, the operands are fp32 holding the same values: common.dot_dtype.)
+        h = load_hadamard(h_ptr)
+        z = tl.dot(round_to(acc, tl.bfloat16).to(h.dtype), h)
+        r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N_out) * (INV_SQRT_HAD / CORE_FP8_SCALE)
+        xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
+        y = z * xs[:, None] * r[None, :]
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], round_to(y, y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols[None, :] < N_out))
 
 
 def core_gemm(xq: torch.Tensor, xscale: torch.Tensor, t: torch.Tensor, qw, out: torch.Tensor, cfg: str) -> torch.Tensor:
     """``core_gemm_kernel`` of xq [M, Kp] e4m3 (scales [M]) against the e4m3(64 T) scratch t [Np, Kp]
     into out [M, out_features]."""
-    bm, bk, warps, stages = CONFIGS[cfg]
+    bm, bk, warps, stages, persistent = CONFIGS[cfg]
     m, kp = xq.shape
     np_ = t.shape[0]
     h = hadamard_operand(xq.device, dot_dtype(torch.bfloat16))
-    grid = (triton.cdiv(m, bm) * (np_ // 128),)
+    blocks = triton.cdiv(m, bm) * (np_ // 128)
+    sms = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
+    grid = (min(blocks, sms) if persistent else blocks,)
     core_gemm_kernel[grid](xq, xscale, t, h, qw.scale, qw.su, qw.gscale, out, m, qw.out_features, xq.stride(0),
-                           out.stride(0), Kp=kp, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
+                           out.stride(0), blocks, triton.cdiv(blocks, grid[0]), Kp=kp, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
     return out
 
 
