@@ -304,7 +304,7 @@ case "$phase" in
     done
     ;;
   core-gemm)
-    step probe_core_gemm "${CORE_SECONDS:-200}" python benchmarks/probe_core_gemm.py --out "$out/core_gemm"
+    step probe_core_gemm "${CORE_SECONDS:-200}" python benchmarks/probe_core_gemm.py --out "$out/core_gemm" --ms "${CORE_MS:-512,1024,2048,8192}"
     ;;
   fused-fp8)
     step probe_fused_fp8 360 python benchmarks/probe_fused_fp8.py --out "$out/fused_fp8" --ms "${FUSED_MS:-128,256,512,1024,2048}"
