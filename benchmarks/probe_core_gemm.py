@@ -1,22 +1,24 @@
 """Does the plain-core path gain from its own fp8 GEMM with the output transform in the epilogue?
 
-``dequant_core_fp8`` runs four kernels: the activation pass, the plain-core dequantize (e4m3(64 T)
+The plain-core path ran four kernels: the activation pass, the plain-core dequantize (e4m3(64 T)
 into a scratch, at its memory floor), cuBLAS's fp8 GEMM z = x' T^T (bf16 [M, Np] written out),
 and the pass over z (Hn, the row scales: z read again, y written). At 2048 tokens on the seed down
 the pass over z is 16 µs and on gate_up 47 µs (docs/KERNELS.md, "Prefill", sixth measurement),
-bytes the GEMM could save by applying Hn to its own accumulator: a [BM, 128] output block is one
-whole Hadamard block, so the epilogue is one more tensor-core product with the exact +-1 matrix,
-as the fused prefill kernel's epilogue (kernels/prefill.py) does.
-
-This probe writes that GEMM in Triton (``core_gemm_kernel``: fp8 x' [M, Kp] against the e4m3
-scratch [Np, Kp], fp32 accumulation, acc rounded to bf16 as cuBLAS rounds z, then @ H_pm1 and the
-scales) and times the whole path built on it (``core_path``) beside the library's. Each arm is
-gated against fp64 within the fp8 table first. Nothing in the library changes.
+bytes a GEMM saves by applying Hn to its own accumulator: a [BM, 128] output block is one whole
+Hadamard block, so the epilogue is one more tensor-core product with the exact +-1 matrix, as the
+fused prefill kernel's epilogue (kernels/prefill.py) does. This file writes that GEMM in Triton (``core_gemm_kernel``: fp32 accumulation, the accumulator rounded to bf16 as cuBLAS
+rounds z, then @ H_pm1 and the scales), a program a block or persistent, and a persistent form
+that loads both operands by TMA (``core_gemm_tma_kernel``); this probe times the path built on
+each (``core_path``) against the path it would replace (``cublas_path``). The first run
+(results/core_gemm_h200/v1_9052833) timed the non-persistent configurations as a library module
+of the same kernel body on a branch (core-gemm, 9052833); the library itself is unchanged.
 
 Timing as the other probes: weights rotated past 4x L2, one CUDA graph an arm, device events,
-interleaved rounds, median. Arms: cuBLAS bf16 and fp8, escha.matmul's rule, the plain-core path
-(``serial``), ``core_<cfg>`` for each configuration, and the GEMMs alone on one fixed scratch
-(``gemm_cublas``: cuBLAS then the pass over z; ``gemm_<cfg>``).
+interleaved rounds, median. Arms: cuBLAS bf16 and fp8, escha.matmul's rule, the library's
+plain-core path (``serial``), ``cublas_path`` (the same steps spelled out), ``core_<cfg>`` (the path
+with core_gemm at each configuration), and the GEMMs alone on one fixed scratch (``gemm_cublas``:
+cuBLAS then the pass over z; ``gemm_<cfg>``). Each path arm is gated against fp64 within the fp8
+table first.
 
     python benchmarks/probe_core_gemm.py --out DIR [--ms 384,512,1024,2048,8192] [--shapes gate_up,down]
 """
@@ -36,11 +38,12 @@ from escha.kernels.common import (CORE_FP8_SCALE, INV_SQRT_HAD, dot_dtype, hadam
                                  row_scale_block)
 
 # (BM, BK, warps, stages, persistent): 128-wide output blocks (one Hadamard block), e4m3
-# operands; persistent: one program an SM walks the blocks (no partial last wave).
+# operands. Not persistent: a program a block; persistent: one program an SM walking the blocks;
+# "tma": persistent, both operands loaded by TMA (host tensor descriptors).
 CONFIGS = {"128x128w8s4": (128, 128, 8, 4, False), "128x128w4s4": (128, 128, 4, 4, False),
-           "256x128w8s3": (256, 128, 8, 3, False), "256x128w8s4": (256, 128, 8, 4, False),
-           "64x128w4s5": (64, 128, 4, 5, False), "128x128w8s4p": (128, 128, 8, 4, True),
-           "256x128w8s3p": (256, 128, 8, 3, True)}
+           "256x128w8s3": (256, 128, 8, 3, False), "64x128w4s5": (64, 128, 4, 5, False),
+           "128x128w8s4p": (128, 128, 8, 4, True), "128x128w8s4t": (128, 128, 8, 4, "tma"),
+           "256x128w8s3t": (256, 128, 8, 3, "tma")}
 
 
 @triton.jit
@@ -82,6 +85,32 @@ def core_gemm_kernel(xq_ptr, xscale_ptr, t_ptr, h_ptr, scale_ptr, su_ptr, gscale
                  mask=row_ok[:, None] & (cols[None, :] < N_out))
 
 
+@triton.jit
+def core_gemm_tma_kernel(a_desc, b_desc, xscale_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, M, N_out, stride_ym,
+                         num_blocks, Kp: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """``core_gemm_kernel`` persistent, with x' and the scratch loaded by TMA (rows past M read
+    as zeros); GPU only."""
+    num_m = tl.cdiv(M, BM)
+    for b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+        pid_m = b % num_m
+        pid_n = b // num_m
+        acc = tl.zeros([BM, 128], dtype=tl.float32)
+        for kk in range(Kp // BK):
+            a = a_desc.load([pid_m * BM, kk * BK])
+            w = b_desc.load([pid_n * 128, kk * BK])
+            acc = tl.dot(a, w.T, acc)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        cols = pid_n * 128 + tl.arange(0, 128)
+        h = load_hadamard(h_ptr)
+        z = tl.dot(round_to(acc, tl.bfloat16).to(h.dtype), h)
+        r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N_out) * (INV_SQRT_HAD / CORE_FP8_SCALE)
+        xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
+        y = z * xs[:, None] * r[None, :]
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], round_to(y, y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols[None, :] < N_out))
+
+
 def core_gemm(xq: torch.Tensor, xscale: torch.Tensor, t: torch.Tensor, qw, out: torch.Tensor, cfg: str) -> torch.Tensor:
     """``core_gemm_kernel`` of xq [M, Kp] e4m3 (scales [M]) against the e4m3(64 T) scratch t [Np, Kp]
     into out [M, out_features]."""
@@ -92,6 +121,13 @@ def core_gemm(xq: torch.Tensor, xscale: torch.Tensor, t: torch.Tensor, qw, out: 
     blocks = triton.cdiv(m, bm) * (np_ // 128)
     sms = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
     grid = (min(blocks, sms) if persistent else blocks,)
+    if persistent == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        a_desc = TensorDescriptor.from_tensor(xq, [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(t, [128, bk])
+        core_gemm_tma_kernel[grid](a_desc, b_desc, xscale, h, qw.scale, qw.su, qw.gscale, out, m, qw.out_features,
+                                   out.stride(0), blocks, Kp=kp, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
+        return out
     core_gemm_kernel[grid](xq, xscale, t, h, qw.scale, qw.su, qw.gscale, out, m, qw.out_features, xq.stride(0),
                            out.stride(0), blocks, triton.cdiv(blocks, grid[0]), Kp=kp, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
     return out
@@ -106,6 +142,22 @@ def core_path(x: torch.Tensor, qw, t: torch.Tensor, cfg: str) -> torch.Tensor:
     xq, xscale, _ = prepare_actquant(x2d, qw, True, None, keep=False)
     y = torch.empty((x2d.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
     return core_gemm(xq, xscale, t, qw, y, cfg)
+
+
+def cublas_path(x: torch.Tensor, qw, t: torch.Tensor) -> torch.Tensor:
+    """The plain-core path before core_gemm: cuBLAS's fp8 GEMM writes z (bf16 [M, Np]), then the
+    pass over z applies Hn and the row scales."""
+    from escha.kernels.actquant import prepare_actquant
+    from escha.kernels.common import constant_vector
+    from escha.kernels.dequant import dequantize_core
+    from escha.kernels.dequant_once import scaled_mm_rowwise
+    from escha.kernels.transforms import hadamard_output_dense
+    x2d = x.reshape(-1, x.shape[-1])
+    dequantize_core(qw, torch.float8_e4m3fn, out=t)
+    xq, xscale, _ = prepare_actquant(x2d, qw, True, None, keep=False)
+    z = scaled_mm_rowwise(xq, t.t(), xscale, constant_vector(t.device, t.shape[0], 1.0 / CORE_FP8_SCALE.value))
+    y = torch.empty((x2d.shape[0], qw.out_features), dtype=x.dtype, device=x.device)
+    return hadamard_output_dense(z, qw, y)
 
 
 def main() -> int:
@@ -157,9 +209,11 @@ def main() -> int:
                 arms = {**cublas_arms(xs, dense_rot, fp8_rot),
                         "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
                         "serial": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),
+                        "cublas_path": (lambda i: cublas_path(xs[i % 2], ws[i], t), len(ws)),
                         "gemm_cublas": (gemm_cublas, 1)}
-                serial = dequant_core_fp8(xs[0], ws[0])
-                point["err_serial"] = rel_err(serial, ref)
+                serial = cublas_path(xs[0], ws[0], t).clone()
+                point["err_serial"] = rel_err(dequant_core_fp8(xs[0], ws[0]), ref)
+                point["err_cublas_path"] = rel_err(serial, ref)
                 for c in cfgs:
                     try:
                         y = core_path(xs[0], ws[0], t, c)
