@@ -47,10 +47,26 @@ CONFIGS = {"128x128w8s4": (128, 128, 8, 4, False), "128x128w4s4": (128, 128, 4, 
 
 
 @triton.jit
+def store_block(acc, rows, row_ok, cols, xscale_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, N_out, stride_ym):
+    """The epilogue of both kernels: y[rows, cols] = crop(xscale * (bf16(acc) H) * g*c*su / (64 sqrt(128))).
+
+    z in bf16, as the library GEMM returns it; +-1 and bf16 are exact tensor-core operands.
+    (Interpreted, the operands are fp32 holding the same values: common.dot_dtype.)"""
+    h = load_hadamard(h_ptr)
+    z = tl.dot(round_to(acc, tl.bfloat16).to(h.dtype), h)
+    r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N_out) * (INV_SQRT_HAD / CORE_FP8_SCALE)
+    xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
+    y = z * xs[:, None] * r[None, :]
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], round_to(y, y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (cols[None, :] < N_out))
+
+
+@triton.jit
 def core_gemm_kernel(xq_ptr, xscale_ptr, t_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, M, N_out,
                      stride_xm, stride_ym, num_blocks, PER_PROG: tl.constexpr, Kp: tl.constexpr, BM: tl.constexpr,
                      BK: tl.constexpr):
-    """Blocks pid, pid + programs, ... (PER_PROG of them at most; a constexpr: the interpreter takes no tensor loop bound) of y, block b = [b%num_m*BM.., b//num_m*128..]:
+    """Blocks pid, pid + programs, ... of y (PER_PROG of them at most; a constexpr: the interpreter
+    takes no tensor loop bound), block b = [b%num_m*BM.., b//num_m*128..]:
     crop(xscale * ((x' T^T) H) * g*c*su / (64 sqrt(128))).
 
     Rows fastest: the programs resident at one time share a weight block, which streams from
@@ -74,15 +90,7 @@ def core_gemm_kernel(xq_ptr, xscale_ptr, t_ptr, h_ptr, scale_ptr, su_ptr, gscale
             acc = tl.dot(a, tl.trans(w), acc)
             a_ptrs += BK
             b_ptrs += BK
-        # z in bf16, as the library GEMM returns it; +-1 and bf16 are exact tensor-core operands.
-        # (Interpreted, the operands are fp32 holding the same values: common.dot_dtype.)
-        h = load_hadamard(h_ptr)
-        z = tl.dot(round_to(acc, tl.bfloat16).to(h.dtype), h)
-        r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N_out) * (INV_SQRT_HAD / CORE_FP8_SCALE)
-        xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
-        y = z * xs[:, None] * r[None, :]
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], round_to(y, y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols[None, :] < N_out))
+        store_block(acc, rows, row_ok, cols, xscale_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, N_out, stride_ym)
 
 
 @triton.jit
@@ -100,15 +108,9 @@ def core_gemm_tma_kernel(a_desc, b_desc, xscale_ptr, h_ptr, scale_ptr, su_ptr, g
             w = b_desc.load([pid_n * 128, kk * BK])
             acc = tl.dot(a, w.T, acc)
         rows = pid_m * BM + tl.arange(0, BM)
-        row_ok = rows < M
         cols = pid_n * 128 + tl.arange(0, 128)
-        h = load_hadamard(h_ptr)
-        z = tl.dot(round_to(acc, tl.bfloat16).to(h.dtype), h)
-        r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N_out) * (INV_SQRT_HAD / CORE_FP8_SCALE)
-        xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
-        y = z * xs[:, None] * r[None, :]
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], round_to(y, y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols[None, :] < N_out))
+        store_block(acc, rows, rows < M, cols, xscale_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, N_out,
+                    stride_ym)
 
 
 def core_gemm(xq: torch.Tensor, xscale: torch.Tensor, t: torch.Tensor, qw, out: torch.Tensor, cfg: str) -> torch.Tensor:
