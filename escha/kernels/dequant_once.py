@@ -33,7 +33,7 @@ from .dequant import DequantConfig, dequant_config, prepare_dequantize_core
 from .common import (CORE_FP8_SCALE, FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, Prepared, check_codebook, check_operands,
                      constant_vector, dot_dtype, hadamard_operand, load_hadamard, prepare, round_to,
                      row_scale_block, weight_plans, workspace)
-from .transforms import prepare_output_dense
+from .transforms import check_norm, prepare_output_dense
 
 
 @triton.jit
@@ -159,12 +159,6 @@ def _plan_key(kind: str, x2d: torch.Tensor, qw: QuantizedWeight, fp8: bool, cfg:
             m, x2d.dtype, x2d.stride(0), x2d.data_ptr() % 16 == 0, None if norm is None else norm.eps)
 
 
-def _checked_norm(x2d: torch.Tensor, norm: RowNorm | None, op: str) -> None:
-    if norm is not None and not norm.fusable(x2d):
-        raise ValueError(f"{op}: the norm's weight must be a [{x2d.shape[1]}] {x2d.dtype} tensor on {x2d.device} "
-                         f"to be applied in the activation pass")
-
-
 def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     return x2d if x2d.stride(1) == 1 else x2d.contiguous()
@@ -180,7 +174,7 @@ def _dequant_once(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
     check_operands(x, qw, op)
     check_codebook(qw, op)
     x2d = _unit_stride_rows(x)
-    _checked_norm(x2d, norm, op)
+    check_norm(x2d, norm, op)
     cfg = config or dequant_once_config(qw, x2d.shape[0], x.device)
     plans = weight_plans(qw)
     key = _plan_key("hn", x2d, qw, fp8, cfg, norm)
@@ -227,7 +221,7 @@ def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
     check_operands(x, qw, op)
     check_codebook(qw, op)
     x2d = _unit_stride_rows(x)
-    _checked_norm(x2d, norm, op)
+    check_norm(x2d, norm, op)
     m = x2d.shape[0]
     np_, kp = qw.padded_shape
     dtype = FP8_DTYPE if fp8 else torch.bfloat16

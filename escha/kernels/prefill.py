@@ -139,10 +139,7 @@ def prefill(x: torch.Tensor, qw: QuantizedWeight, *, config: PrefillConfig | Non
     else:
         y = out
     if m:
-        if norm is not None and not norm.fusable(x2d):
-            raise ValueError(f"prefill: the norm's weight must be a [{qw.in_features}] {x2d.dtype} tensor on "
-                             f"{x2d.device} to be applied in the activation pass")
-        xq, xscale = actquant(x2d, qw, norm=norm)
+        xq, xscale = actquant(x2d, qw, norm=norm)  # refuses a norm it cannot apply (transforms.check_norm)
         np_, kp = qw.padded_shape
         grid = (triton.cdiv(m, cfg.block_m) * (np_ // BLOCK_N),)
         # Kp and KT are compile-time constants: constant loop bounds and folded tile strides, one

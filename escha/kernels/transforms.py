@@ -200,6 +200,15 @@ def input_columns(kp: int, halves: bool = False) -> int:
     return 2 * kp if halves else kp
 
 
+def check_norm(x2d: torch.Tensor, norm: RowNorm | None, op: str = "") -> None:
+    """A one-line ValueError (``op``, when given, named first) unless ``norm`` is None or the input
+    transform can apply it to x2d [M, in] (``RowNorm.fusable``). Callers that launch a prepared
+    input transform again, which skips ``prepare_input``, call it on every call."""
+    if norm is not None and not norm.fusable(x2d):
+        raise ValueError(f"{op + ': ' if op else ''}the norm's weight must be a [{x2d.shape[1]}] {x2d.dtype} tensor "
+                         f"on {x2d.device} to be applied in the input transform")
+
+
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
                   dependent_launch: bool = False, release_early: bool = False,
                   norm: RowNorm | None = None,
@@ -224,9 +233,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
         raise ValueError("bf16 stores x's own column order: mma_order does not apply")
     if x2d.dim() != 2 or x2d.shape[1] != qw.in_features:
         raise ValueError(f"x2d must be [M, {qw.in_features}], got {list(x2d.shape)}")
-    if norm is not None and not norm.fusable(x2d):
-        raise ValueError(f"the norm's weight must be a [{qw.in_features}] {x2d.dtype} tensor on {x2d.device} "
-                         f"to be applied in the input transform")
+    check_norm(x2d, norm)
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
     dtype = FP8_DTYPE if fp8 else torch.bfloat16 if bf16 else torch.float16
