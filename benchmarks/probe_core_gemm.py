@@ -15,7 +15,8 @@ of the same kernel body on a branch (core-gemm, 9052833); the library itself is 
 
 Timing as the other probes: weights rotated past 4x L2, one CUDA graph an arm, device events,
 interleaved rounds, median. Arms: cuBLAS bf16 and fp8, escha.matmul's rule, the library's
-plain-core path (``serial``), ``cublas_path`` (the same steps spelled out), ``core_<cfg>`` (the path
+plain-core path (``serial``: since escha/kernels/core_gemm.py, this kernel's while-loop form from
+core_gemm.MIN_M tokens, and ``gemm_library`` that GEMM alone), ``cublas_path`` (the same steps spelled out), ``core_<cfg>`` (the path
 with core_gemm at each configuration), and the GEMMs alone on one fixed scratch (``gemm_cublas``:
 cuBLAS then the pass over z; ``gemm_<cfg>``). Each path arm is gated against fp64 within the fp8
 table first.
@@ -170,6 +171,7 @@ def main() -> int:
     from escha.kernels.common import constant_vector
     from escha.kernels.dequant import dequantize_core
     from escha.kernels.dequant_once import dequant_core_fp8, scaled_mm_rowwise
+    from escha.kernels.core_gemm import core_gemm as library_core_gemm
     from escha.kernels.transforms import hadamard_output_dense
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_decode import weight_set
@@ -212,7 +214,8 @@ def main() -> int:
                         "escha": (lambda i: escha.matmul(xs[i % 2], ws[i]), len(ws)),
                         "serial": (lambda i: dequant_core_fp8(xs[i % 2], ws[i]), len(ws)),
                         "cublas_path": (lambda i: cublas_path(xs[i % 2], ws[i], t), len(ws)),
-                        "gemm_cublas": (gemm_cublas, 1)}
+                        "gemm_cublas": (gemm_cublas, 1),
+                        "gemm_library": (lambda i: library_core_gemm(xq, xscale, t_fixed, ws[0], out=y_fixed), 1)}
                 serial = cublas_path(xs[0], ws[0], t).clone()
                 point["err_serial"] = rel_err(dequant_core_fp8(xs[0], ws[0]), ref)
                 point["err_cublas_path"] = rel_err(serial, ref)

@@ -11,8 +11,10 @@
 #                  go to CUDA when there is one, not only the gpu-marked ones "check" runs).
 # PHASE "gpu-suite": every gpu-marked test, then memcheck and racecheck of the prefill paths with
 #                  and without the RMSNorm in their activation pass.
-# PHASE "core-gemm": benchmarks/probe_core_gemm.py: the plain-core path with its own fp8 GEMM that
-#                  applies Hn in the epilogue, against the library's (cuBLAS, then the pass over z).
+# PHASE "core-gemm": escha/kernels/core_gemm.py (the plain-core path's fp8 GEMM with Hn in its
+#                  epilogue, from 1024 tokens): its tests on the GPU, memcheck and racecheck of the
+#                  path at 65 and 1030 tokens, then benchmarks/probe_core_gemm.py: the path with it
+#                  against cuBLAS and the pass over z (CORE_MS, CORE_CONFIGS: the probe's own forms).
 # PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
 #                  tunes itself at each point, about 40 s a point.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
@@ -304,7 +306,15 @@ case "$phase" in
     done
     ;;
   core-gemm)
-    step probe_core_gemm "${CORE_SECONDS:-200}" python benchmarks/probe_core_gemm.py --out "$out/core_gemm" --ms "${CORE_MS:-512,1024,2048,8192}"
+    step gpu_tests "${CORE_TEST_SECONDS:-240}" python -m pytest -q -m "not slow" -p no:cacheprovider tests/test_core_gemm.py \
+      tests/test_fuzz.py::test_fuzz_core_gemm_gpu tests/test_fuzz.py::test_fuzz_core_gemm
+    for tool in memcheck racecheck; do
+      step "sanitize_$tool" 120 env ESCHA_SANITIZER_PATHS=dequant-core-fp8 ESCHA_SANITIZER_MS=65,1030 \
+        ESCHA_SANITIZER_SHAPES=17x130,33x1300 ESCHA_SANITIZER_TOOLS=$tool ESCHA_SANITIZER_PRINT_LIMIT=1000 \
+        benchmarks/run_sanitizer.sh "$out/sanitizer_$tool.txt"
+    done
+    step probe_core_gemm "${CORE_SECONDS:-200}" python benchmarks/probe_core_gemm.py --out "$out/core_gemm" --ms "${CORE_MS:-512,1024,2048,8192}" \
+      --configs "${CORE_CONFIGS:-128x128w8s4p}"
     ;;
   fused-fp8)
     step probe_fused_fp8 360 python benchmarks/probe_fused_fp8.py --out "$out/fused_fp8" --ms "${FUSED_MS:-128,256,512,1024,2048}"

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import escha
 from escha.format import decode_trellis, input_transform, random_qweight, row_scale
@@ -135,3 +135,32 @@ def test_fuzz_matmul_gpu(out, inp, m, dtype, bits, path, seed, norm):
         with open(target, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                        "outcomes": dict(sorted(summary.items()))}, f, indent=1)
+
+
+# The plain-core path's own GEMM (kernels/core_gemm.py) runs from core_gemm.MIN_M tokens, past the
+# cases above: on the CPU the rule is forced down to their few tokens; on a GPU it runs as it is.
+CORE_CASE = dict(out=DIM, inp=DIM, dtype=st.sampled_from(DTYPES), bits=st.sampled_from([2, 3]),
+                 seed=st.integers(0, 2**20), norm=st.booleans())
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 40), **CORE_CASE)
+@example(out=600, inp=300, m=40, dtype=torch.bfloat16, bits=2, seed=1, norm=True)  # 15 blocks on 4 programs
+def test_fuzz_core_gemm(out, inp, m, dtype, bits, seed, norm):
+    from escha.kernels import dequant_once
+    from escha.kernels.core_gemm import CoreGemmConfig
+    cfg = CoreGemmConfig(block_m=16, block_k=64, num_warps=4, num_stages=1)  # more blocks than programs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dequant_once, "core_gemm_config", lambda qw, m, device=None: cfg)
+        check_case(out, inp, m, dtype, bits, "dequant-core-fp8", seed, norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@settings(max_examples=int(os.environ.get("ESCHA_FUZZ_CORE_GPU_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1024, 1300), **CORE_CASE)
+def test_fuzz_core_gemm_gpu(out, inp, m, dtype, bits, seed, norm):
+    from escha.kernels.core_gemm import MIN_M
+    assert m >= MIN_M  # the rule's own choice runs core_gemm
+    check_case(out, inp, m, dtype, bits, "dequant-core-fp8", seed, norm, device="cuda")

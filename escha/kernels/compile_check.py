@@ -75,6 +75,7 @@ def _launches() -> Iterator[str]:
     from ..quant.encode import Backend, EncodeOptions, encode_tiles
     from .actquant import actquant
     from .codec import CodecPath
+    from .core_gemm import MIN_M
     from .decode import decode, decode_config
     from .decode_fp8 import _launch as decode_fp8_launch
     from .decode_fp8 import decode_fp8_config
@@ -127,6 +128,8 @@ def _launches() -> Iterator[str]:
                 actquant(torch.randn(300, 2560, dtype=torch.bfloat16), wide, fp8=fp8)
         yield f"dequant_core_fp8 K={bits} (dequantize_core, hadamard_output_dense)"
         dequant_core_fp8(x(128), qw)
+        yield f"dequant_core_fp8 K={bits} M={MIN_M} (core_gemm)"
+        dequant_core_fp8(x(MIN_M), qw)
         yield f"dequant_core_bf16 K={bits}"
         dequant_core_bf16(x(128), qw)
         for dt in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):

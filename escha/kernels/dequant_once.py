@@ -29,6 +29,7 @@ from ..format.spec import HAD_BLOCK, TILE
 from ..norm import RowNorm
 from .actquant import actquant_config, prepare_actquant, run_actquant
 from .codec import CodecPath, codec_path, decode_block
+from .core_gemm import core_gemm_config, prepare_core_gemm
 from .dequant import DequantConfig, dequant_config, prepare_dequantize_core
 from .common import (CORE_FP8_SCALE, FP8_DTYPE, HN_FP8_SCALE, INV_SQRT_HAD, Prepared, check_codebook, check_operands,
                      constant_vector, dot_dtype, hadamard_operand, load_hadamard, prepare, round_to,
@@ -226,27 +227,35 @@ def _dequant_core(x: torch.Tensor, qw: QuantizedWeight, fp8: bool, config: Dequa
     np_, kp = qw.padded_shape
     dtype = FP8_DTYPE if fp8 else torch.bfloat16
     cfg = config or dequant_config(qw, x.device)
+    gemm_cfg = core_gemm_config(qw, m, x.device) if fp8 else None
     plans = weight_plans(qw)
-    key = _plan_key("core", x2d, qw, fp8, cfg, norm)
+    key = _plan_key("core", x2d, qw, fp8, (cfg, gemm_cfg), norm)
     plan = plans.get(key)
     t = workspace(qw.device, dtype, (np_, kp))
     if plan is not None and m > 0:
         p_t, p_act, p_out = plan
-        t_scale = 1.0 / CORE_FP8_SCALE.value if fp8 else 1.0
         p_t.run(t)
         xq, xscale = run_actquant(x2d, qw, fp8, p_act, norm)
     else:
-        t, t_scale, p_t = prepare_dequantize_core(qw, dtype, cfg, t, keep=True)
+        t, _, p_t = prepare_dequantize_core(qw, dtype, cfg, t, keep=True)
         xq, xscale, p_act = prepare_actquant(x2d, qw, fp8, None, keep=True, norm=norm)
         p_out = None
-    z = scaled_mm_rowwise(xq, t.t(), xscale, constant_vector(x.device, np_, t_scale)) if fp8 else xq @ t.t()
     y = torch.empty((m, qw.out_features), dtype=x.dtype, device=x.device)
-    if plan is not None and m > 0:
-        p_out.run(z, y)
+    if gemm_cfg is not None:
+        # From core_gemm.MIN_M tokens: one GEMM with Hn and the scales in its epilogue (no z).
+        if p_out is not None:
+            p_out.run(xq, xscale, t, y)
+        else:
+            p_out = prepare_core_gemm(xq, xscale, t, qw, y, gemm_cfg, keep=True)
     else:
-        p_out = prepare_output_dense(z, qw, y, keep=True)
-        if p_t is not None and p_act is not None and p_out is not None:
-            plans[key] = (p_t, p_act, p_out)
+        t_scale = 1.0 / CORE_FP8_SCALE.value if fp8 else 1.0
+        z = scaled_mm_rowwise(xq, t.t(), xscale, constant_vector(x.device, np_, t_scale)) if fp8 else xq @ t.t()
+        if p_out is not None:
+            p_out.run(z, y)
+        else:
+            p_out = prepare_output_dense(z, qw, y, keep=True)
+    if plan is None and p_t is not None and p_act is not None and p_out is not None:
+        plans[key] = (p_t, p_act, p_out)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
