@@ -69,7 +69,10 @@ def test_core_gemm_configs_give_the_same_bits(cfg):
 @pytest.mark.parametrize("bits", [2, 3])
 def test_core_gemm_against_the_cublas_form(bits):
     """Real operands (the activation pass's x', the decoded core): the path's two forms differ
-    by where the fp32 sums round before z's bf16 rounding, so by at most one bf16 rounding of z."""
+    by how the accumulator adds before z's bf16 rounding, so by at most one bf16 rounding of z.
+    Against the reference: fp32 sums in another order (interpreter, 1e-6); on the GPU the tensor
+    core's e4m3 accumulation keeps 13-14 bits a k32 step (docs/KERNELS.md, "The partials' bound"),
+    which moves z's bf16 rounding in a share of the outputs: again one bf16 rounding of z."""
     qw = random_qweight(200, 300, bits, seed=bits, device=DEV)
     g = torch.Generator().manual_seed(40 + bits)
     x = torch.randn(70, 300, generator=g).to(DEV, torch.bfloat16)
@@ -80,7 +83,7 @@ def test_core_gemm_against_the_cublas_form(bits):
     want = hadamard_output_dense(z, qw, torch.empty(70, 200, device=DEV))
     assert torch.isfinite(y).all()
     assert rel(y, want) < BF16_ELEM_RMS
-    assert rel(y, core_gemm_reference(xq, xscale, t, qw, torch.float32)) < 1e-6
+    assert rel(y, core_gemm_reference(xq, xscale, t, qw, torch.float32)) < (1e-6 if DEV == "cpu" else BF16_ELEM_RMS)
 
 
 def force_core_gemm(monkeypatch, cfg: CoreGemmConfig = RULE_CONFIG) -> None:
