@@ -264,9 +264,11 @@ def dequant_core_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DequantCon
     """y[..., out] = x[..., in] @ W_hat^T in x's dtype through a scratch of the plain core:
     e4m3(64 T) (``dequantize_core``, no Hadamard product while decoding), one fp8 GEMM
     z = x' T^T with row-wise scales, then Hn and the row scales in one pass over z
-    (``transforms.hadamard_output_dense``). It trades dequant_fp8's 128x128 product per weight
-    block for a read and a write of [M, Np]: cheaper for few tokens. ``config`` overrides
-    ``dequant_config``; ``norm`` as in ``dequant_fp8``."""
+    (``transforms.hadamard_output_dense``); from ``core_gemm.MIN_M`` tokens on Hopper one fp8 GEMM
+    that applies Hn and the row scales in its epilogue instead (``core_gemm``: z never goes to
+    memory). It trades dequant_fp8's 128x128 product per weight block for that pass: cheaper
+    for few tokens. ``config`` overrides ``dequant_config`` (``core_gemm_config`` picks the GEMM);
+    ``norm`` as in ``dequant_fp8``."""
     return _dequant_core(x, qw, True, config, "dequant_core_fp8", norm)
 
 
