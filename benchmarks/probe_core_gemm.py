@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from escha.kernels.common import (CORE_FP8_SCALE, INV_SQRT_HAD, dot_dtype, hadamard_operand, load_hadamard, round_to,
-                                 row_scale_block)
+from escha.kernels.common import CORE_FP8_SCALE, dot_dtype, hadamard_operand
+from escha.kernels.core_gemm import store_block  # the library kernel's epilogue, the same code the probe had
 
 # (BM, BK, warps, stages, persistent): 128-wide output blocks (one Hadamard block), e4m3
 # operands. Not persistent: a program a block; persistent: one program an SM walking the blocks;
@@ -45,21 +45,6 @@ CONFIGS = {"128x128w8s4": (128, 128, 8, 4, False), "128x128w4s4": (128, 128, 4, 
            "256x128w8s3": (256, 128, 8, 3, False), "64x128w4s5": (64, 128, 4, 5, False),
            "128x128w8s4p": (128, 128, 8, 4, True), "128x128w8s4t": (128, 128, 8, 4, "tma"),
            "256x128w8s3t": (256, 128, 8, 3, "tma")}
-
-
-@triton.jit
-def store_block(acc, rows, row_ok, cols, xscale_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, N_out, stride_ym):
-    """The epilogue of both kernels: y[rows, cols] = crop(xscale * (bf16(acc) H) * g*c*su / (64 sqrt(128))).
-
-    z in bf16, as the library GEMM returns it; +-1 and bf16 are exact tensor-core operands.
-    (Interpreted, the operands are fp32 holding the same values: common.dot_dtype.)"""
-    h = load_hadamard(h_ptr)
-    z = tl.dot(round_to(acc, tl.bfloat16).to(h.dtype), h)
-    r = row_scale_block(scale_ptr, su_ptr, gscale_ptr, cols, cols < N_out) * (INV_SQRT_HAD / CORE_FP8_SCALE)
-    xs = tl.load(xscale_ptr + rows, mask=row_ok, other=0.0)
-    y = z * xs[:, None] * r[None, :]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], round_to(y, y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (cols[None, :] < N_out))
 
 
 @triton.jit

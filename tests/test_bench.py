@@ -904,3 +904,27 @@ def test_llm_rows_from_other_runs_are_added_with_their_source(tmp_path):
     other.write_text(json.dumps({"rows": [{"key": "reference", "perplexity": 15.0}]}))
     with pytest.raises(ValueError, match="another text or model"):
         bench.add_rows(res, [str(other)])
+
+
+# -- benchmarks/compare_harnesses.py ------------------------------------------------------------
+
+def test_compare_harnesses_pairs_each_arm_with_the_same_work():
+    """escha's row goes with the named path the rule takes at that shape and M (K decides between
+    the two dequantize-once forms), the cuBLAS rows with bench_prefill.py's cuBLAS arms; points
+    the other file lacks are left out."""
+    cmp = _script("compare_harnesses")
+    bench = {"rows": [{"shape": "gate_up", "M": 512, "K": 5120, "arm": "escha", "us": 150.0},
+                      {"shape": "gate_up", "M": 8192, "K": 5120, "arm": "escha", "us": 1300.0},
+                      {"shape": "down", "M": 2048, "K": 8704, "arm": "escha", "us": 200.0},
+                      {"shape": "down", "M": 2048, "K": 8704, "arm": "torch-fp8", "us": 130.0},
+                      {"shape": "down", "M": 4096, "K": 8704, "arm": "torch-bf16", "us": 400.0}]}
+    prefill = {"rows": [{"shape": "gate_up", "m": 512, "arm": "escha-dequant-core-fp8", "us": 100.0},
+                        {"shape": "gate_up", "m": 512, "arm": "escha-dequant-fp8", "us": 1.0},
+                        {"shape": "gate_up", "m": 8192, "arm": "escha-dequant-fp8", "us": 1250.0},
+                        {"shape": "down", "m": 2048, "arm": "escha-dequant-core-fp8", "us": 250.0},
+                        {"shape": "down", "m": 2048, "arm": "cublas-fp8-rowwise", "us": 65.0}]}
+    got = cmp.pairs(bench, prefill)
+    assert got == [("gate_up", 512, "escha", 150.0, "escha-dequant-core-fp8", 100.0),
+                   ("gate_up", 8192, "escha", 1300.0, "escha-dequant-fp8", 1250.0),
+                   ("down", 2048, "escha", 200.0, "escha-dequant-core-fp8", 250.0),
+                   ("down", 2048, "torch-fp8", 130.0, "cublas-fp8-rowwise", 65.0)]
