@@ -6,12 +6,15 @@ and the pass over z (Hn, the row scales: z read again, y written). At 2048 token
 the pass over z is 16 µs and on gate_up 47 µs (docs/KERNELS.md, "Prefill", sixth measurement),
 bytes a GEMM saves by applying Hn to its own accumulator: a [BM, 128] output block is one whole
 Hadamard block, so the epilogue is one more tensor-core product with the exact +-1 matrix, as the
-fused prefill kernel's epilogue (kernels/prefill.py) does. This file writes that GEMM in Triton (``core_gemm_kernel``: fp32 accumulation, the accumulator rounded to bf16 as cuBLAS
-rounds z, then @ H_pm1 and the scales), a program a block or persistent, and a persistent form
-that loads both operands by TMA (``core_gemm_tma_kernel``); this probe times the path built on
-each (``core_path``) against the path it would replace (``cublas_path``). The first run
-(results/core_gemm_h200/v1_9052833) timed the non-persistent configurations as a library module
-of the same kernel body on a branch (core-gemm, 9052833); the library itself is unchanged.
+fused prefill kernel's epilogue (kernels/prefill.py) does. That GEMM is now the library's
+(escha/kernels/core_gemm.py, ``core_gemm_kernel``: fp32 accumulation, the accumulator rounded to
+bf16 as cuBLAS rounds z, then @ H_pm1 and the scales; its walk over the blocks a while loop), which
+this probe launches a program a block or persistent; ``core_gemm_tma_kernel`` here is the same
+walk with both operands loaded by TMA. It times the path built on each (``core_path``) against the
+path before (``cublas_path``). Its first two runs (results/core_gemm_h200/v1_9052833, v2_e73f1ea)
+used its own copy of the kernel, its walk a loop over a constexpr count of blocks a program (git
+history before bf296d4); the third (v3_library_ea8d00b) timed that copy beside the library's form:
+within 1.5%.
 
 Timing as the other probes: weights rotated past 4x L2, one CUDA graph an arm, device events,
 interleaved rounds, median. Arms: cuBLAS bf16 and fp8, escha.matmul's rule, the library's
@@ -36,7 +39,7 @@ import triton
 import triton.language as tl
 
 from escha.kernels.common import CORE_FP8_SCALE, dot_dtype, hadamard_operand
-from escha.kernels.core_gemm import store_block  # the library kernel's epilogue, the same code the probe had
+from escha.kernels.core_gemm import core_gemm_kernel, store_block
 
 # (BM, BK, warps, stages, persistent): 128-wide output blocks (one Hadamard block), e4m3
 # operands. Not persistent: a program a block; persistent: one program an SM walking the blocks;
@@ -48,41 +51,9 @@ CONFIGS = {"128x128w8s4": (128, 128, 8, 4, False), "128x128w4s4": (128, 128, 4, 
 
 
 @triton.jit
-def core_gemm_kernel(xq_ptr, xscale_ptr, t_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, M, N_out,
-                     stride_xm, stride_ym, num_blocks, PER_PROG: tl.constexpr, Kp: tl.constexpr, BM: tl.constexpr,
-                     BK: tl.constexpr):
-    """Blocks pid, pid + programs, ... of y (PER_PROG of them at most; a constexpr: the interpreter
-    takes no tensor loop bound), block b = [b%num_m*BM.., b//num_m*128..]:
-    crop(xscale * ((x' T^T) H) * g*c*su / (64 sqrt(128))).
-
-    Rows fastest: the programs resident at one time share a weight block, which streams from
-    memory once, while x' stays in L2."""
-    num_m = tl.cdiv(M, BM)
-    for i in range(0, PER_PROG):
-        b = tl.program_id(0) + i * tl.num_programs(0)
-        b = tl.minimum(b, num_blocks - 1)  # a program past the end redoes the last block (same values)
-        pid_m = b % num_m
-        pid_n = b // num_m
-        rows = pid_m * BM + tl.arange(0, BM)
-        row_ok = rows < M
-        cols = pid_n * 128 + tl.arange(0, 128)
-        k = tl.arange(0, BK)
-        a_ptrs = xq_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :]
-        b_ptrs = t_ptr + cols[:, None].to(tl.int64) * Kp + k[None, :]
-        acc = tl.zeros([BM, 128], dtype=tl.float32)
-        for _ in range(0, Kp // BK):
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(b_ptrs)
-            acc = tl.dot(a, tl.trans(w), acc)
-            a_ptrs += BK
-            b_ptrs += BK
-        store_block(acc, rows, row_ok, cols, xscale_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, N_out, stride_ym)
-
-
-@triton.jit
 def core_gemm_tma_kernel(a_desc, b_desc, xscale_ptr, h_ptr, scale_ptr, su_ptr, gscale_ptr, y_ptr, M, N_out, stride_ym,
                          num_blocks, Kp: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """``core_gemm_kernel`` persistent, with x' and the scratch loaded by TMA (rows past M read
+    """The library's ``core_gemm_kernel`` persistent, with x' and the scratch loaded by TMA (rows past M read
     as zeros); GPU only."""
     num_m = tl.cdiv(M, BM)
     for b in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
@@ -100,7 +71,7 @@ def core_gemm_tma_kernel(a_desc, b_desc, xscale_ptr, h_ptr, scale_ptr, su_ptr, g
 
 
 def core_gemm(xq: torch.Tensor, xscale: torch.Tensor, t: torch.Tensor, qw, out: torch.Tensor, cfg: str) -> torch.Tensor:
-    """``core_gemm_kernel`` of xq [M, Kp] e4m3 (scales [M]) against the e4m3(64 T) scratch t [Np, Kp]
+    """The library's ``core_gemm_kernel`` of xq [M, Kp] e4m3 (scales [M]) against the e4m3(64 T) scratch t [Np, Kp]
     into out [M, out_features]."""
     bm, bk, warps, stages, persistent = CONFIGS[cfg]
     m, kp = xq.shape
@@ -117,7 +88,7 @@ def core_gemm(xq: torch.Tensor, xscale: torch.Tensor, t: torch.Tensor, qw, out: 
                                    out.stride(0), blocks, Kp=kp, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
         return out
     core_gemm_kernel[grid](xq, xscale, t, h, qw.scale, qw.su, qw.gscale, out, m, qw.out_features, xq.stride(0),
-                           out.stride(0), blocks, triton.cdiv(blocks, grid[0]), Kp=kp, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
+                           out.stride(0), blocks, Kp=kp, BM=bm, BK=bk, num_warps=warps, num_stages=stages)
     return out
 
 
