@@ -3,8 +3,8 @@
     python benchmarks/compare_harnesses.py BENCH_RESULTS.json PREFILL.json [--md OUT.md]
 
 Pairs each ``escha bench`` row (arms escha, torch-bf16, torch-fp8) with the ``bench_prefill.py`` arm
-that runs the same thing: the rule's path for ``escha`` (``escha.ops.resolve_path`` at that shape
-and M, as the named ``escha-<path>`` arm), ``cublas-bf16`` and ``cublas-fp8-rowwise`` for the
+that runs the same thing: the rule's path for ``escha`` (``escha.ops.DEFAULT_RULE.choose`` at that M
+and K, as the named ``escha-<path>`` arm), ``cublas-bf16`` and ``cublas-fp8-rowwise`` for the
 cuBLAS arms, and prints the ratio of the two medians.
 """
 from __future__ import annotations

@@ -6,8 +6,6 @@ rounding of z, and through ``dequant_core_fp8`` with the rule forced down to a f
 under the CPU interpreter (its persistent grid: ``INTERPRETED_PROGRAMS`` programs walking the
 blocks); the same tests run on a GPU, the gpu-marked ones at the rule's token counts.
 """
-from dataclasses import replace
-
 import pytest
 import torch
 

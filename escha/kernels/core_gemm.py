@@ -81,14 +81,15 @@ class CoreGemmConfig:
 
 #: From this many tokens the plain-core path runs ``core_gemm`` (below: cuBLAS and the pass over z).
 MIN_M = 1024
-#: Programs of the persistent grid where the kernels run interpreted (the walk still loops).
+#: Programs of the persistent grid where there are no SMs to count (the interpreter, the offline
+#: compile): fewer than the blocks of most tests, so the walk still loops.
 INTERPRETED_PROGRAMS = 4
 RULE_CONFIG = CoreGemmConfig(block_m=128, block_k=128, num_warps=8, num_stages=4)
 
 
 def core_gemm_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> CoreGemmConfig | None:
     """The rule (note at the end of this file): None (cuBLAS and the pass over z) below ``MIN_M``
-    tokens and on GPUs other than Hopper and later, else ``RULE_CONFIG``."""
+    tokens and on GPUs older than Hopper (where it was never timed), else ``RULE_CONFIG``."""
     device = device or qw.device
     if m < MIN_M:
         return None
@@ -165,8 +166,8 @@ def core_gemm_reference(xq: torch.Tensor, xscale: torch.Tensor, t: torch.Tensor,
 
 
 # Configuration note. Measured on the H200 as benchmarks/probe_core_gemm.py (its persistent
-# configuration "128x128w8s4p" is this kernel's body with a constexpr count of blocks a program in
-# place of the while loop; results/core_gemm_h200/v1_9052833, v2_e73f1ea; docs/KERNELS.md, "An fp8
+# configuration "128x128w8s4p" was then this kernel's body with a constexpr count of blocks a program
+# in place of the while loop; results/core_gemm_h200/v1_9052833, v2_e73f1ea; docs/KERNELS.md, "An fp8
 # GEMM with Hn in its epilogue"): against cuBLAS's fp8 GEMM and the pass over z, the path with this
 # GEMM was 3-7% faster at 1024 and 2048 tokens on both seed shapes in both runs (gate_up 2048:
 # 409.9 against 431.5 us; down 2048: 212.7 against 229.1), lost 6-7% at down 512 and 13-15% at
