@@ -253,6 +253,16 @@ def main() -> int:
                                           len(ws))
                     arms["part_gemm"] = (lambda i: gemm_partials(xq, ws[i], plain), len(ws))
                     arms["part_output"] = (lambda i: hadamard_output(zs, ws[i], inv, y, segments=counts), len(ws))
+
+                    def input_and_gemm(i: int, c=cfg) -> torch.Tensor:
+                        # The call's first two launches as the call makes them (the rule's start),
+                        # without the output transform: what a call with its output transform
+                        # fused into the GEMM could at best take.
+                        xq_i, _ = hadamard_input(xs[i % 2], ws[i], mma_order=True, halves=c.halves,
+                                                 dependent_launch=c.dependent_launch,
+                                                 release_early=c.dependent_launch and c.early_start)
+                        return gemm_partials(xq_i, ws[i], c)[0]
+                    arms["input_and_gemm"] = (input_and_gemm, len(ws))
                 if args.variants:
                     for label, c2 in variant_configs(cfg, ws[0], m).items():
                         e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
