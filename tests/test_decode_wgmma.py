@@ -114,15 +114,15 @@ def test_rule_variant_takes_the_halves_codec_at_8_tokens(bits):
 def test_gemm_refuses_an_activation_of_the_other_codec():
     """x' of the exact order ([M, Kp]) under a halves configuration, or the halves order ([M, 2 Kp])
     under an exact one: a one-line ValueError before any launch, naming the fix."""
-    from escha.kernels.transforms import hadamard_input
     qw = random_qweight(128, 256, bits=2, seed=0)
-    x = torch.randn(8, 256)
     cfg = dw.decode_wgmma_config(qw, 8)
     assert cfg.halves
-    xq, _ = hadamard_input(x, qw, mma_order=True)
+    # The check reads the shape of x' only (hadamard_input's two orders: [M, Kp] and [M, 2 Kp]), so
+    # the test launches nothing and runs the same with or without a GPU.
+    xq = torch.zeros(8, 256, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"x' has 256 columns; .*halves=True\) reads 512"):
         dw.gemm_partials(xq, qw, cfg)
-    xh, _ = hadamard_input(x, qw, halves=True)
+    xh = torch.zeros(8, 512, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"x' has 512 columns; .*halves=False\) reads 256"):
         dw.gemm_partials(xh, qw, dataclasses.replace(cfg, halves=False))
 
@@ -334,7 +334,7 @@ def test_fused_output_build(ptx, bits, bn, hn):
     assert "bar.sync" in ptx[last_mma:ptx.index("atom.global.gpu.acq_rel.add")]
     assert len(re.findall(r"atom\.global\.gpu\.relaxed\.exch", ptx)) == 1  # the count set back to zero
     regs = res_usage(bytes.fromhex(cubin))
-    assert regs["STACK"] == 0 or hn  # K=3 at 64 tokens with the head norm may spill a little
+    assert regs["STACK"] <= 16  # K=3 at 32 and 64 tokens, capped at 128 registers, spills a few bytes
     assert programs_per_sm(regs["REG"], shared) >= dw.PROGRAMS_PER_SM[(bits, bn)]
 
 

@@ -434,9 +434,10 @@ def _program_of(step, STEPS, PROGRAMS):
 
 @gluon.jit
 def _finish_group(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr, heps,
-                  g, row0, M, Np, N_out, BN: gl.constexpr, HEAD_NORM: gl.constexpr):
+                  g, row0, M, Np, N_out, BN: gl.constexpr, HEAD_NORM: gl.constexpr, SPLIT: gl.constexpr):
     """y[row0.., 128 g..] from the group's partials: transforms._output_transform_kernel for one
-    Hadamard block and token block, TC tokens at a time (registers)."""
+    Hadamard block and token block, TC tokens at a time (registers); the SPLIT loads of a chunk
+    (the most partials a group has) unrolled, all in flight at once."""
     L: gl.constexpr = EPILOGUE_LAYOUT
     TC: gl.constexpr = BN if BN < 16 else 16
     OUT: gl.constexpr = y_ptr.dtype.element_ty
@@ -445,12 +446,11 @@ def _finish_group(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_p
     rs = gl.load(gscale_ptr) * gl.load(scale_ptr + n, mask=nmask, other=0.0).to(gl.float32) \
         * gl.load(su_ptr + n, mask=nmask, other=0).to(gl.float32)
     seg = gl.load(seg_ptr + n // 64)
-    most = gl.maximum(gl.load(seg_ptr + 2 * g), gl.load(seg_ptr + 2 * g + 1))
     for c in range(BN // TC):  # a loop, not unrolled: one chunk's registers at a time
         m = row0 + c * TC + gl.arange(0, TC, layout=gl.SliceLayout(1, L))[:, None]
         mmask = m < M
         z = gl.zeros([TC, 128], gl.float32, L)
-        for s in range(most):  # in order, as the output transform sums them
+        for s in gl.static_range(SPLIT):  # in order, as the output transform sums them
             part = ws_ptr + (s * M).to(gl.int64) * Np
             z += gl.load(part + m * Np + n, mask=mmask & (s < seg), other=0.0, cache_modifier=".cg")
         h = _hadamard128_rows(z, TC, L) * INV_SQRT_HAD
@@ -468,7 +468,7 @@ def _finish_group(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_p
 @gluon.jit
 def _arrive_and_finish(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr,
                        cnt_ptr, heps, s0, n, tb, row0, M, Np, N_out, NKB, STEPS, PROGRAMS,
-                       BN: gl.constexpr, FRAGS: gl.constexpr, HEAD_NORM: gl.constexpr):
+                       BN: gl.constexpr, FRAGS: gl.constexpr, HEAD_NORM: gl.constexpr, SPLIT: gl.constexpr):
     """After the loop: arrive on each 128-row group whose steps this program shared (its steps
     are contiguous, so the groups are too); the last program to arrive finishes the group."""
     GT: gl.constexpr = 2 // FRAGS  # row tiles a group
@@ -481,7 +481,7 @@ def _arrive_and_finish(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, 
         if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == expected - 1:
             gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero again for the next call
             _finish_group(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr,
-                          heps, g, row0, M, Np, N_out, BN, HEAD_NORM)
+                          heps, g, row0, M, Np, N_out, BN, HEAD_NORM, SPLIT)
 
 
 @gluon.jit
@@ -490,7 +490,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                          cnt_ptr, heps,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
                          HALVES: gl.constexpr, PDL: gl.constexpr, FUSED: gl.constexpr = False,
-                         HEAD_NORM: gl.constexpr = False):
+                         HEAD_NORM: gl.constexpr = False, SPLIT: gl.constexpr = 1):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's STEPS = row tiles x NKB steps (flat index tile * NKB + k-block; a tile is 64
     FRAGS weight rows), each z^T[64 FRAGS rows, BN tokens] += T_blk x'^T_blk.
@@ -612,7 +612,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         mbarrier.invalidate(bars.index(i))
     if FUSED:
         _arrive_and_finish(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr,
-                           cnt_ptr, heps, s0, n, tb, row0, M, Np, N_out, NKB, STEPS, PROGRAMS, BN, FRAGS, HEAD_NORM)
+                           cnt_ptr, heps, s0, n, tb, row0, M, Np, N_out, NKB, STEPS, PROGRAMS, BN, FRAGS, HEAD_NORM,
+                           SPLIT)
 
 
 @gluon.jit
@@ -737,10 +738,12 @@ def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: 
            "gscale_ptr": "*fp32", "inv_ptr": "*fp32", "hw_ptr": "*bf16", "hb_ptr": "*i8", "seg_ptr": "*i32",
            "cnt_ptr": "*i32", "heps": "fp32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr",
-           "HALVES": "constexpr", "PDL": "constexpr", "FUSED": "constexpr", "HEAD_NORM": "constexpr"}
+           "HALVES": "constexpr", "PDL": "constexpr", "FUSED": "constexpr", "HEAD_NORM": "constexpr",
+           "SPLIT": "constexpr"}
     return GluonASTSource(_decode_wgmma_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
-                                      "HALVES": halves, "PDL": pdl, "FUSED": fused, "HEAD_NORM": head_norm},
+                                      "HALVES": halves, "PDL": pdl, "FUSED": fused, "HEAD_NORM": head_norm,
+                                      "SPLIT": 4},
                           attrs={(2,): [["tt.divisibility", 16]]})
 
 
@@ -924,7 +927,8 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
         slots = ("x_desc", "ws_ptr")
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
                     HALVES=cfg.halves, PDL=cfg.dependent_launch, FUSED=cfg.fused_output,
-                    HEAD_NORM=cfg.fused_output and head_norm is not None, num_warps=4,
+                    HEAD_NORM=cfg.fused_output and head_norm is not None, SPLIT=segs if cfg.fused_output else 1,
+                    num_warps=4,
                     launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts, prepare(_decode_wgmma_kernel, grid, *args, slots=slots if keep else None, **settings)
 
