@@ -1,7 +1,7 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
     python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--bits 2|3]
-        [--shapes gate_up,down] [--variants] [--breakdown] [--fused] [--previous FILE[,FILE...]]
+        [--shapes gate_up,down] [--variants] [--breakdown] [--previous FILE[,FILE...]]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
 reference codec, the GEMM against an fp64 reference within the decode tolerance table. Timing:
@@ -76,20 +76,6 @@ def time_arms(timer: GraphTimer, arms: dict, rounds: int) -> dict[str, float]:
         for k, s in samplers.items():
             times[k].append(s.sample())
     return {k: statistics.median(v) for k, v in times.items()}
-
-
-def fused_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
-    """The rule's configuration with the output transform in the GEMM's epilogue, started early and
-    late; at 64 tokens also at 5 programs an SM (its sm_90a build takes 96 registers against the
-    rule build's 128, and a ring of 2 stages leaves room in shared memory for 5)."""
-    out = {"fused": dataclasses.replace(cfg, fused_output=True),
-           "fused_late": dataclasses.replace(cfg, fused_output=True, early_start=False)}
-    if cfg.block_tokens == 64 and cfg.stages == 2 and qw.bits == 2:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        steps = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
-        out["fused_w5"] = dataclasses.replace(cfg, fused_output=True,
-                                              programs=min(steps // 2, -(-5 * sms // -(-m // 64))))
-    return out
 
 
 def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
@@ -218,9 +204,6 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="also time fragments x grid variants")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
-    ap.add_argument("--fused", action="store_true",
-                    help="also time the output transform in the GEMM's epilogue (fused_configs), checked bit for bit "
-                         "against the rule's three launches first")
     ap.add_argument("--previous", help="earlier decode_wgmma.py files, comma-separated, each timed as an arm wgmma@REV")
     args = ap.parse_args()
     previous = {"wgmma@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
@@ -286,18 +269,6 @@ def main() -> int:
                         point[f"err_{label}"] = e
                         if not e <= TOL[torch.bfloat16]:
                             log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
-                            continue
-                        arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
-                if args.fused:
-                    for label, c2 in fused_configs(cfg, ws[0], m).items():
-                        e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
-                        point[f"err_{label}"] = e
-                        # the same bits as the three launches, on every weight of the rotation
-                        same = all(torch.equal(decode_wgmma(xs[0], w, config=c2), decode_wgmma(xs[0], w, config=cfg))
-                                   for w in ws[:4])
-                        point[f"bitwise_{label}"] = same
-                        if not (e <= TOL[torch.bfloat16] and same):
-                            log(f"GATE FAIL {name} M={m} {label}: {e:.3e}, bitwise {same}")
                             continue
                         arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 med = time_arms(timer, arms, args.rounds)

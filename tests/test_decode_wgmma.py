@@ -12,7 +12,6 @@ from escha.format import decode_trellis, dequantize, random_qweight
 from escha.kernels.compile_check import programs_per_sm, res_usage
 from escha.format.bitstream import states_from_words
 from escha.format.codebooks import get as codebook
-from escha.norm import HeadNorm, RowNorm
 
 # The module (escha.kernels exports the op function under the same name).
 dw = importlib.import_module("escha.kernels.decode_wgmma")
@@ -117,8 +116,8 @@ def test_gemm_refuses_an_activation_of_the_other_codec():
     qw = random_qweight(128, 256, bits=2, seed=0)
     cfg = dw.decode_wgmma_config(qw, 8)
     assert cfg.halves
-    # The check reads the shape of x' only (hadamard_input's two orders: [M, Kp] and [M, 2 Kp]), so
-    # the test launches nothing and runs the same with or without a GPU.
+    # The check reads the shape of x' only (hadamard_input's two orders: [M, Kp] and [M, 2 Kp]),
+    # so the test launches nothing and runs the same with or without a GPU.
     xq = torch.zeros(8, 256, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"x' has 256 columns; .*halves=True\) reads 512"):
         dw.gemm_partials(xq, qw, cfg)
@@ -221,17 +220,10 @@ for bits, bn, frags in HALVES_VARIANTS:
 for bits, bn, frags, pdl in VARIANTS:
     out[f"{bits},{bn},{frags},{int(pdl)}"] = triton.compile(
         gemm_source(bits, bn, 3, frags, pdl), target=target, options={"num_warps": 4, "launch_pdl": pdl}).asm["ptx"]
-for bits, bn, hn in FUSED_VARIANTS:  # the rule's variants with the output transform in the epilogue
-    _, frags, stages, halves = rule_variant(bn, bits)
-    cap = {"maxnreg": register_cap(bits, bn)} if register_cap(bits, bn) else {}
-    k = triton.compile(gemm_source(bits, bn, stages, frags, halves=halves, fused=True, head_norm=hn),
-                       target=target, options={"num_warps": 4, "launch_pdl": True, **cap})
-    out[f"fused,{bits},{bn},{int(hn)}"] = [k.metadata.shared, k.asm["cubin"].hex(), k.asm["ptx"]]
 json.dump(out, sys.stdout)
 """
 VARIANTS = [(2, 8, 1, True), (2, 64, 1, True), (3, 16, 1, True), (2, 16, 2, True), (2, 16, 2, False)]
 HALVES_VARIANTS = [(2, 8, 1), (2, 16, 2), (3, 8, 1)]  # the rule's (K=2, 8 tokens, one fragment) and two more
-FUSED_VARIANTS = [(2, 8, False), (2, 16, True), (2, 64, False), (2, 128, False), (3, 32, False), (3, 64, True)]
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +236,7 @@ def ptx(tmp_path_factory):
     import sys
     code = (_COMPILE.replace("REG", repr(A_REG_BASES)).replace("LANE", repr(A_LANE_BASES))
             .replace("WARP", repr(A_WARP_BASES)).replace("HALVES_VARIANTS", repr(HALVES_VARIANTS))
-            .replace("FUSED_VARIANTS", repr(FUSED_VARIANTS)).replace("VARIANTS", repr(VARIANTS)))
+            .replace("VARIANTS", repr(VARIANTS)))
     script = tmp_path_factory.mktemp("sm90") / "compile_decode_wgmma.py"  # @jit needs a source file
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -252,7 +244,7 @@ def ptx(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(v if v in ("res", "cap", "halves", "fused") else int(v) for v in k.split(",")): p
+    return {tuple(v if v in ("res", "cap", "halves") else int(v) for v in k.split(",")): p
             for k, p in json.loads(run.stdout).items()}
 
 
@@ -315,27 +307,6 @@ def test_halves_ptx_runs_two_register_a_mmas_a_fragment(ptx, bits, bn, frags):
     assert all(a == "{" for _, a in mma)
     assert "st.shared" not in ptx and "add.f16x2" not in ptx and "add.rn.f16x2" not in ptx
     assert _expected_bytes(ptx) == {2 * bn * 128 * 2 + frags * 8 * 128 * 4}
-
-
-@pytest.mark.parametrize("bits,bn,hn", FUSED_VARIANTS)
-def test_fused_output_build(ptx, bits, bn, hn):
-    """The output transform in the epilogue: the loop unchanged (register-A wgmma, no decoded
-    weight in shared memory: the one shared store is the arrival count's broadcast, after the
-    last MMA), one acquire-release arrival a group behind a CTA barrier, and no fewer programs
-    an SM than the rule's wave assumes of the build without it."""
-    shared, cubin, ptx = ptx[("fused", bits, bn, int(hn))]
-    _, frags, _, halves = dw.rule_variant(bn, bits)
-    mma = _mmas(ptx)
-    assert len(mma) == 8 * frags * (2 if halves else 1) and all(a == "{" for _, a in mma)
-    last_mma = ptx.rindex("wgmma.wait_group")
-    assert ptx.count("st.shared") == 1 and ptx.index("st.shared") > last_mma
-    arrive = re.findall(r"atom\.global\.gpu\.acq_rel\.add\.u32", ptx)
-    assert len(arrive) == 1 and ptx.index("atom.global.gpu.acq_rel.add") > last_mma
-    assert "bar.sync" in ptx[last_mma:ptx.index("atom.global.gpu.acq_rel.add")]
-    assert len(re.findall(r"atom\.global\.gpu\.relaxed\.exch", ptx)) == 1  # the count set back to zero
-    regs = res_usage(bytes.fromhex(cubin))
-    assert regs["STACK"] <= 16  # K=3 at 32 and 64 tokens, capped at 128 registers, spills a few bytes
-    assert programs_per_sm(regs["REG"], shared) >= dw.PROGRAMS_PER_SM[(bits, bn)]
 
 
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
@@ -459,89 +430,3 @@ def test_gemm_within_tolerance(m, dtype, fragments):
     ref = x.double() @ dequantize(qw).double().T
     assert y.dtype == dtype and y.shape == (m, 300)
     assert float((y.double() - ref).norm() / ref.norm()) <= tol
-
-
-def _three_launches_and_fused(x, qw, cfg, **kw):
-    """The product through the rule's three launches and with the output transform in the
-    GEMM's epilogue, each into a NaN-poisoned buffer."""
-    outs = []
-    for fused in (False, True):
-        out = torch.full((x.shape[0], qw.out_features), float("nan"), device=x.device, dtype=x.dtype)
-        outs.append(dw.decode_wgmma(x, qw, config=dataclasses.replace(cfg, fused_output=fused), out=out, **kw))
-    return outs
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("m", [1, 7, 16, 33, 64, 130, 300])
-@pytest.mark.parametrize("bits", [2, 3])
-def test_fused_output_bit_for_bit(m, bits):
-    """The output transform in the epilogue gives the three launches' bits: every dtype, with the
-    input's RMSNorm, on grids where groups are shared by many programs, by one, and where one
-    program finishes every group (1 program), on a padded and a larger shape."""
-    for shape in ((300, 700), (2048, 1536)):
-        qw = random_qweight(*shape, bits=bits, seed=m + 10 * bits + shape[0], device="cuda")
-        cfg = dw.decode_wgmma_config(qw, m, torch.device("cuda"))
-        steps = qw.padded_shape[0] // (64 * cfg.fragments) * (qw.padded_shape[1] // 128)
-        for programs in {cfg.programs, 1, 3, steps}:
-            c = dataclasses.replace(cfg, programs=programs)
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                x = torch.randn(m, shape[1], device="cuda", dtype=dtype)
-                three, fused = _three_launches_and_fused(x, qw, c)
-                assert torch.equal(three, fused), (shape, programs, dtype)
-        norm = RowNorm(torch.rand(shape[1], device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6)
-        x = torch.randn(m, shape[1], device="cuda", dtype=torch.bfloat16)
-        three, fused = _three_launches_and_fused(x, qw, cfg, norm=norm)
-        assert torch.equal(three, fused)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_fused_output_head_norm(m):
-    """With the per-head RMSNorm: unflagged blocks bit for bit; flagged ones within one rounding
-    of the output dtype (the mean square's sum may be ordered otherwise than the output
-    transform's, which moves rsqrt by an ulp at most)."""
-    qw = random_qweight(512, 640, bits=2, seed=m, device="cuda")
-    head = HeadNorm(torch.rand(512, device="cuda", dtype=torch.bfloat16) + 0.5,
-                    torch.tensor([1, 0, 1, 0], device="cuda", dtype=torch.int8), 1e-6)
-    x = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
-    three, fused = _three_launches_and_fused(x, qw, dw.decode_wgmma_config(qw, m, x.device), head_norm=head)
-    assert torch.isfinite(fused).all()
-    plain = torch.cat([torch.arange(128, 256), torch.arange(384, 512)]).cuda()
-    assert torch.equal(three[:, plain], fused[:, plain])
-    assert float(((three.float() - fused.float()).abs() / three.float().abs().clamp_min(1e-30)).max()) <= 2.0**-8
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("graph", [False, True])
-def test_fused_output_counts_return_to_zero(graph):
-    """The arrival counts are left at zero by every call: products of two weights of different
-    grids, alternated and repeated (eagerly, or replayed from one CUDA graph three times), keep
-    giving the three launches' bits."""
-    qws = [random_qweight(1024, 1024, bits=2, seed=1, device="cuda"),
-           random_qweight(640, 2048, bits=3, seed=2, device="cuda")]
-    xs = [torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16),
-          torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16)]
-    cfgs = [dataclasses.replace(dw.decode_wgmma_config(q, x.shape[0], x.device), fused_output=True)
-            for q, x in zip(qws, xs)]
-    want = [dw.decode_wgmma(x, q, config=dataclasses.replace(c, fused_output=False)) for q, x, c in zip(qws, xs, cfgs)]
-
-    def calls() -> list[torch.Tensor]:
-        return [dw.decode_wgmma(x, q, config=c) for _ in range(3) for q, x, c in zip(qws, xs, cfgs)]
-
-    if graph:
-        calls()  # compile and keep the plans outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = calls()
-        for _ in range(3):
-            for y in got:
-                y.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(y, want[i % 2]) for i, y in enumerate(got))
-    else:
-        got = calls()
-        assert all(torch.equal(y, want[i % 2]) for i, y in enumerate(got))

@@ -164,23 +164,3 @@ def test_fuzz_core_gemm_gpu(out, inp, m, dtype, bits, seed, norm):
     from escha.kernels.core_gemm import MIN_M
     assert m >= MIN_M  # the rule's own choice runs core_gemm
     check_case(out, inp, m, dtype, bits, "dequant-core-fp8", seed, norm, device="cuda")
-
-
-# The register-operand decode GEMM with its output transform in the epilogue (DecodeWgmmaConfig.
-# fused_output): the rule's configuration with it, through escha.matmul, at 1-300 tokens.
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@settings(max_examples=int(os.environ.get("ESCHA_FUZZ_FUSED_GPU_EXAMPLES", "40")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(m=st.integers(1, 300), **CORE_CASE)
-def test_fuzz_decode_wgmma_fused_gpu(out, inp, m, dtype, bits, seed, norm):
-    import dataclasses
-    import importlib
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("decode-wgmma runs on Hopper")
-    dw = importlib.import_module("escha.kernels.decode_wgmma")
-    rule = dw.decode_wgmma_config
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dw, "decode_wgmma_config",
-                   lambda qw, m, device=None: dataclasses.replace(rule(qw, m, device), fused_output=True))
-        check_case(out, inp, m, dtype, bits, "decode-wgmma", seed, norm, device="cuda")

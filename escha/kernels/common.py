@@ -250,24 +250,6 @@ def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) 
     return buf
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, at least ``n`` of them, for a kernel whose programs count their arrivals on
-    them and leave every count at zero again as they finish (decode_wgmma's output transform in
-    its epilogue); kept per (device, current stream, size).
-
-    Calls on one stream are ordered, so they share the counters; two streams get their own. Made
-    with a device op (``_cached``): made inside CUDA-graph capture, they belong to that graph,
-    whose replays zero them first.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    size = max(1024, triton.next_power_of_2(n))
-    return _cached(_COUNTERS, (str(device), stream, size), device,
-                   lambda: torch.zeros(size, dtype=torch.int32, device=device))
-
-
 # -- Shared device functions --------------------------------------------------------------------
 @triton.jit
 def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):

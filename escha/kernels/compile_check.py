@@ -105,10 +105,6 @@ def _launches() -> Iterator[str]:
         head = HeadNorm(torch.ones(256, dtype=torch.bfloat16), torch.ones(2, dtype=torch.int8), 1e-6)
         decode(x(1), qw, config=dataclasses.replace(decode_config(qw, 1, cuda), **ptx), norm=norm, head_norm=head)
         decode_wgmma_launch(x(1), qw, decode_wgmma_config(qw, 1, cuda), None, norm, head)
-        for m in (1, 16, 64, 128):
-            yield f"decode_wgmma K={bits} M={m}, the output transform in the GEMM's epilogue"
-            fused = dataclasses.replace(decode_wgmma_config(qw, m, cuda), fused_output=True)
-            decode_wgmma_launch(x(m), qw, fused, None, *((norm, head) if m == 1 else ()))
         yield f"decode_wgmma fragments K={bits}"
         decoded_fragments(qw)
         for m in (1, 100, 200):

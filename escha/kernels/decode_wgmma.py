@@ -40,7 +40,6 @@ reproducible.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
@@ -57,9 +56,8 @@ from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
-from .common import (INV_SQRT_HAD, Prepared, arrival_counters, check_codebook, check_operands,
-                     dependent_launch_supported, device_capability, device_constant, interpreted, output_tensor,
-                     prepare)
+from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
+                     device_constant, interpreted, output_tensor, prepare)
 from .transforms import input_columns, prepare_input, prepare_output
 from .triton_compat import smem_reinterpret, tma_async_load
 
@@ -399,98 +397,10 @@ def _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, ro
         gl.store(base + offs + 64, acc1, mask=tmask)
 
 
-# -- The output transform in the GEMM's epilogue (``fused_output``) ------------------------------
-# The last program to store a part of a 128-row group (one Hadamard block of the output) sums the
-# group's partials in fixed order and applies Hn, the row scales, 2**-e and the head norm there:
-# transforms._output_transform_kernel's arithmetic, the same operations in the same order, so
-# the same bits (the head norm's mean square aside: its sum may be ordered otherwise). Which
-# program is last is counted on an int32 per (token block, group) (``arrival_counters``), which
-# that program sets back to zero: no atomic sum, so the result stays bitwise reproducible.
-EPILOGUE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
-                                                warps_per_cta=[4, 1], order=[1, 0]))
-
-
-@gluon.jit
-def _hadamard128_rows(x, R: gl.constexpr, L: gl.constexpr):
-    """x [R, 128] (fp32, layout L) @ H128 in seven butterfly stages, common.hadamard128's: each
-    element's partner across one index bit (the pair's bits summed as uint32 over that axis,
-    minus its own), then p + y on the pair's low element and p - y on its high one."""
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, L))[None, :] + gl.zeros([R, 128], gl.int32, L)
-    c = gl.reshape(c, [R, 2, 2, 2, 2, 2, 2, 2])
-    y = gl.reshape(x, [R, 2, 2, 2, 2, 2, 2, 2])
-    for k in gl.static_range(7):  # axis k + 1 holds index bit 6 - k
-        sgn = (1 - 2 * ((c >> (6 - k)) & 1)).to(gl.float32)
-        yi = y.to(gl.uint32, bitcast=True)
-        p = (gl.sum(yi, axis=k + 1, keep_dims=True) - yi).to(gl.float32, bitcast=True)
-        y = y * sgn + p
-    return gl.convert_layout(gl.reshape(y, [R, 128]), L)
-
-
-@gluon.jit
-def _program_of(step, STEPS, PROGRAMS):
-    """The program whose steps [q STEPS / PROGRAMS, (q + 1) STEPS / PROGRAMS) hold ``step``."""
-    return (((step + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) - 1
-
-
-@gluon.jit
-def _finish_group(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr, heps,
-                  g, row0, M, Np, N_out, BN: gl.constexpr, HEAD_NORM: gl.constexpr, SPLIT: gl.constexpr):
-    """y[row0.., 128 g..] from the group's partials: transforms._output_transform_kernel for one
-    Hadamard block and token block, TC tokens at a time (registers); the SPLIT loads of a chunk
-    (the most partials a group has) unrolled, all in flight at once."""
-    L: gl.constexpr = EPILOGUE_LAYOUT
-    TC: gl.constexpr = BN if BN < 16 else 16
-    OUT: gl.constexpr = y_ptr.dtype.element_ty
-    n = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, L))[None, :]
-    nmask = n < N_out
-    rs = gl.load(gscale_ptr) * gl.load(scale_ptr + n, mask=nmask, other=0.0).to(gl.float32) \
-        * gl.load(su_ptr + n, mask=nmask, other=0).to(gl.float32)
-    seg = gl.load(seg_ptr + n // 64)
-    for c in range(BN // TC):  # a loop, not unrolled: one chunk's registers at a time
-        m = row0 + c * TC + gl.arange(0, TC, layout=gl.SliceLayout(1, L))[:, None]
-        mmask = m < M
-        z = gl.zeros([TC, 128], gl.float32, L)
-        for s in gl.static_range(SPLIT):  # in order, as the output transform sums them
-            part = ws_ptr + (s * M).to(gl.int64) * Np
-            z += gl.load(part + m * Np + n, mask=mmask & (s < seg), other=0.0, cache_modifier=".cg")
-        h = _hadamard128_rows(z, TC, L) * INV_SQRT_HAD
-        inv = gl.load(inv_ptr + m, mask=mmask, other=0.0)
-        y = h * rs * inv
-        if HEAD_NORM:
-            yr = y.to(OUT).to(gl.float32)  # the projection's output, as the model's norm reads it
-            rstd = gl.rsqrt(gl.sum(yr * yr, axis=1) / 128.0 + heps)
-            w = gl.load(hw_ptr + n).to(gl.float32)
-            yn = (w * (yr * rstd[:, None]).to(OUT).to(gl.float32)).to(OUT).to(gl.float32)
-            y = gl.where(gl.load(hb_ptr + g) != 0, yn, y)
-        gl.store(y_ptr + m * stride_ym + n, y.to(OUT), mask=mmask & nmask)
-
-
-@gluon.jit
-def _arrive_and_finish(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr,
-                       cnt_ptr, heps, s0, n, tb, row0, M, Np, N_out, NKB, STEPS, PROGRAMS,
-                       BN: gl.constexpr, FRAGS: gl.constexpr, HEAD_NORM: gl.constexpr, SPLIT: gl.constexpr):
-    """After the loop: arrive on each 128-row group whose steps this program shared (its steps
-    are contiguous, so the groups are too); the last program to arrive finishes the group."""
-    GT: gl.constexpr = 2 // FRAGS  # row tiles a group
-    groups = Np // 128
-    gl.thread_barrier()  # every warp's partials are stored before the program arrives (release below)
-    for g in range((s0 // NKB) // GT, ((s0 + n - 1) // NKB) // GT + 1):
-        first = g * GT * NKB
-        expected = _program_of(first + GT * NKB - 1, STEPS, PROGRAMS) - _program_of(first, STEPS, PROGRAMS) + 1
-        cnt = cnt_ptr + tb * groups + g
-        if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == expected - 1:
-            gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero again for the next call
-            _finish_group(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr,
-                          heps, g, row0, M, Np, N_out, BN, HEAD_NORM, SPLIT)
-
-
 @gluon.jit
 def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
-                         y_ptr, stride_ym, N_out, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr,
-                         cnt_ptr, heps,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
-                         HALVES: gl.constexpr, PDL: gl.constexpr, FUSED: gl.constexpr = False,
-                         HEAD_NORM: gl.constexpr = False, SPLIT: gl.constexpr = 1):
+                         HALVES: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's STEPS = row tiles x NKB steps (flat index tile * NKB + k-block; a tile is 64
     FRAGS weight rows), each z^T[64 FRAGS rows, BN tokens] += T_blk x'^T_blk.
@@ -513,10 +423,6 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     With PDL (programmatic dependent launch) the program starts while the input transform runs:
     it fetches its first STAGES word blocks, which no kernel writes, then waits for x'. It
     releases the output transform after its loop.
-
-    With FUSED the output transform is this kernel's epilogue (``_arrive_and_finish``): y [M,
-    N_out] from the partials, by the last program to store a part of each 128-row group; the
-    arguments from y_ptr on are the output transform's (unused without FUSED).
     """
     p = gl.program_id(0)
     tb = gl.program_id(1)
@@ -610,10 +516,6 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         _grid_dependency(_RELEASE_ASM)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    if FUSED:
-        _arrive_and_finish(ws_ptr, y_ptr, stride_ym, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr,
-                           cnt_ptr, heps, s0, n, tb, row0, M, Np, N_out, NKB, STEPS, PROGRAMS, BN, FRAGS, HEAD_NORM,
-                           SPLIT)
 
 
 @gluon.jit
@@ -671,7 +573,6 @@ class DecodeWgmmaConfig:
     early_start: bool  # with dependent_launch: the GEMM launches as the input transform starts, not as it ends
     max_registers: int | None = None  # ptxas's register cap per thread (None: its own choice)
     halves: bool = False  # the halves codec: weights lo + hi unrounded, two MMAs a fragment and step
-    fused_output: bool = False  # the output transform in the GEMM's epilogue: two launches a call, not three
 
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
@@ -726,24 +627,19 @@ def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
 
 
 def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True,
-                halves: bool = False, fused: bool = False, head_norm: bool = False):
+                halves: bool = False):
     """The GEMM kernel specialized as a launch with these settings specializes it (16-byte
-    aligned partials, a bf16 output), for ``triton.compile`` on a machine without a GPU (the
-    tests' and the census's sm_90a builds)."""
+    aligned partials), for ``triton.compile`` on a machine without a GPU (the tests' and the
+    census's sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"x_desc": f"tensordesc<fp16[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
            "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "y_ptr": "*bf16", "stride_ym": "i32", "N_out": "i32", "scale_ptr": "*fp16", "su_ptr": "*i8",
-           "gscale_ptr": "*fp32", "inv_ptr": "*fp32", "hw_ptr": "*bf16", "hb_ptr": "*i8", "seg_ptr": "*i32",
-           "cnt_ptr": "*i32", "heps": "fp32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr",
-           "HALVES": "constexpr", "PDL": "constexpr", "FUSED": "constexpr", "HEAD_NORM": "constexpr",
-           "SPLIT": "constexpr"}
+           "HALVES": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_wgmma_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
-                                      "HALVES": halves, "PDL": pdl, "FUSED": fused, "HEAD_NORM": head_norm,
-                                      "SPLIT": 4},
+                                      "HALVES": halves, "PDL": pdl},
                           attrs={(2,): [["tt.divisibility", 16]]})
 
 
@@ -841,7 +737,6 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
                                            head_norm.blocks.data_ptr() % 16 == 0, head_norm.eps),
            None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
     plan = packed.plans.get(key)
-    fused = cfg.fused_output
     if plan is not None:
         segs, pin, pgemm, pout = plan
         kx = input_columns(kp, cfg.halves)
@@ -850,32 +745,19 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
         ws = torch.empty((segs, m, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
         y = output_tensor(x, m, qw.out_features, out)
         pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
-        x_desc = TensorDescriptor(xq, [m, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
-        hw, hb = (y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)
-        if fused:
-            pgemm.run(x_desc, ws, y, inv, hw, hb, arrival_counters(x.device, _counters(np_, m, cfg)))
-        else:
-            pgemm.run(x_desc, ws)
-            pout.run(ws, y, inv, hw, hb)
+        pgemm.run(TensorDescriptor(xq, [m, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
+                  ws)
+        pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
         return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
                                  release_early=pdl and cfg.early_start, norm=norm, halves=cfg.halves)
+    ws, counts, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
     y = output_tensor(x, m, qw.out_features, out)
-    if fused:
-        ws, counts, pgemm = _gemm(xq, qw, cfg, packed, keep=True, y=y, inv=inv, head_norm=head_norm)
-        pout = None
-    else:
-        ws, counts, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
-        pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
-    if pin is not None and pgemm is not None and (fused or pout is not None):
+    pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
+    if pin is not None and pgemm is not None and pout is not None:
         packed.plans[key] = (ws.shape[0], pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)
-
-
-def _counters(np_: int, m: int, cfg: DecodeWgmmaConfig) -> int:
-    """Arrival counters the fused epilogue uses: one per (token block, 128-row group)."""
-    return triton.cdiv(m, cfg.block_tokens) * (np_ // HAD_BLOCK)
 
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight,
@@ -883,27 +765,20 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight,
     """The GEMM kernel alone: fp32 partials z^T [segments, M, Np] of x' (``hadamard_input(...,
     mma_order=True, halves=cfg.halves)``'s fp16 output, [M, Kp], or [M, 2 Kp] with halves)
     against the weight's words, and how many of them each 64-row group has
-    (``hadamard_output``'s ``segments``; the others are left unwritten). Always the kernel
-    without the output transform in its epilogue (``fused_output`` is not applied).
+    (``hadamard_output``'s ``segments``; the others are left unwritten).
     The middle of the three launches of a call; the benchmarks also time it by itself."""
-    cfg = dataclasses.replace(cfg, fused_output=False)
     return _gemm(xq, qw, cfg, _packed(qw), keep=False)[:2]
 
 
 def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed: _Packed,
-          keep: bool, y: torch.Tensor | None = None, inv: torch.Tensor | None = None,
-          head_norm: HeadNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+          keep: bool) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
     """Launch the GEMM through Triton: (partials, each 64-row group's count of them, the launch
-    prepared when ``keep``). With ``cfg.fused_output`` it also writes y (the output, [M,
-    out_features], unit column stride) from 2**-e ``inv`` and the head norm, as the output
-    transform would."""
+    prepared when ``keep``)."""
     m = xq.shape[0]
     np_, kp = qw.padded_shape
     if xq.shape[1] != input_columns(kp, cfg.halves):
         raise ValueError(f"x' has {xq.shape[1]} columns; this configuration (halves={cfg.halves}) reads "
                          f"{input_columns(kp, cfg.halves)}: build it with hadamard_input(..., halves={cfg.halves})")
-    if cfg.fused_output and (y is None or inv is None):
-        raise ValueError("fused_output writes the output: give y and inv (decode_wgmma does)")
     nkb = kp // BLOCK_K
     tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
     programs = min(cfg.programs, tiles * nkb)
@@ -914,23 +789,11 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     ws = torch.empty((segs, m, np_), dtype=torch.float32, device=xq.device)
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
     args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb, programs)
-    if cfg.fused_output:
-        if head_norm is not None and (head_norm.weight.shape[0] != np_ or not head_norm.fusable(y)):
-            raise ValueError(f"head norm: weight must be contiguous {y.dtype} [{np_}] and blocks int8 "
-                             f"[{np_ // HAD_BLOCK}]")
-        hw, hb = (y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)
-        args += (y, y.stride(0), qw.out_features, qw.scale, qw.su, qw.gscale, inv, hw, hb, counts,
-                 arrival_counters(xq.device, _counters(np_, m, cfg)), 0.0 if head_norm is None else head_norm.eps)
-        slots = ("x_desc", "ws_ptr", "y_ptr", "inv_ptr", "hw_ptr", "hb_ptr", "cnt_ptr")
-    else:  # the epilogue's arguments are not read: any tensors and numbers of their types
-        args += (counts, 0, 0, qw.scale, qw.su, qw.gscale, counts, counts, counts, counts, counts, 0.0)
-        slots = ("x_desc", "ws_ptr")
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
-                    HALVES=cfg.halves, PDL=cfg.dependent_launch, FUSED=cfg.fused_output,
-                    HEAD_NORM=cfg.fused_output and head_norm is not None, SPLIT=segs if cfg.fused_output else 1,
-                    num_warps=4,
+                    HALVES=cfg.halves, PDL=cfg.dependent_launch, num_warps=4,
                     launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
-    return ws, counts, prepare(_decode_wgmma_kernel, grid, *args, slots=slots if keep else None, **settings)
+    return ws, counts, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr") if keep else None,
+                             **settings)
 
 
 # -- Why the configuration is what it is ---------------------------------------------------------
