@@ -287,18 +287,13 @@ def _expected_bytes(ptx: str) -> set[int]:
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
 def test_ptx_uses_register_a_and_no_shared_stores(ptx, bits, bn, frags, pdl):
     ptx = ptx[(bits, bn, frags, int(pdl))]
-    # Every step's code is there twice: the program's first step is peeled off the loop (its
-    # first fragment decoded before the wait for the input transform).
     mma = _mmas(ptx)
-    assert len(mma) == 2 * 8 * frags and all(int(n) == bn for n, _ in mma)
+    assert len(mma) == 8 * frags and all(int(n) == bn for n, _ in mma)
     assert all(a == "{" for _, a in mma)  # A from registers, not a shared-memory descriptor
     assert "st.shared" not in ptx  # decoded weights never go through shared memory
-    # 8 words a fragment: two 16-byte loads.
-    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2 * 2 * frags
-    # Each mbarrier expects exactly the bytes its TMA copies bring (else the wait hangs): a stage
-    # its activation tile and words, the first step's x' and words on their two barriers.
-    words = frags * 8 * 128 * 4
-    assert _expected_bytes(ptx) == {bn * 128 * 2 + words, bn * 128 * 2, words}
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == 2 * frags  # 8 words a fragment: two 16-byte loads
+    # Each stage's mbarrier expects exactly the bytes its TMA copies bring (else the wait hangs).
+    assert _expected_bytes(ptx) == {bn * 128 * 2 + frags * 8 * 128 * 4}
 
 
 @pytest.mark.parametrize("bits,bn,frags", HALVES_VARIANTS)
@@ -308,19 +303,17 @@ def test_halves_ptx_runs_two_register_a_mmas_a_fragment(ptx, bits, bn, frags):
     each stage's mbarrier expecting the two activation tiles and the words."""
     ptx = ptx[("halves", bits, bn, frags)]
     mma = _mmas(ptx)
-    assert len(mma) == 2 * 16 * frags and all(int(n) == bn for n, _ in mma)  # the first step peeled
+    assert len(mma) == 16 * frags and all(int(n) == bn for n, _ in mma)
     assert all(a == "{" for _, a in mma)
     assert "st.shared" not in ptx and "add.f16x2" not in ptx and "add.rn.f16x2" not in ptx
-    words = frags * 8 * 128 * 4
-    assert _expected_bytes(ptx) == {2 * bn * 128 * 2 + words, 2 * bn * 128 * 2, words}
+    assert _expected_bytes(ptx) == {2 * bn * 128 * 2 + frags * 8 * 128 * 4}
 
 
 @pytest.mark.parametrize("bits,bn,frags,pdl", VARIANTS)
 def test_ptx_dependent_launch_order(ptx, bits, bn, frags, pdl):
     """With PDL only the weights' TMA copies (3 stages, each one box of every fragment's words)
-    and the first step's decode of its first fragment (its two 16-byte word loads) come before
-    the wait for the input transform, and the output transform is released after the last MMA
-    and the last store of partials; without, no grid-dependency instruction at all."""
+    come before the wait for the input transform, and the output transform is released after the
+    last MMA and the last store of partials; without, no grid-dependency instruction at all."""
     ptx = ptx[(bits, bn, frags, int(pdl))]
     if not pdl:
         assert "griddepcontrol" not in ptx
@@ -328,7 +321,6 @@ def test_ptx_dependent_launch_order(ptx, bits, bn, frags, pdl):
     wait, release = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     assert ptx[:wait].count("cp.async.bulk.tensor") == 3
-    assert len(re.findall(r"ld\.shared\.v4", ptx[:wait])) == 2
     assert "wgmma.mma_async" not in ptx[:wait] and "st.global" not in ptx[:wait]
     assert ptx.rindex("wgmma.wait_group") < release and ptx.rindex("st.global") < release
 

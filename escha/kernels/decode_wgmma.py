@@ -398,54 +398,6 @@ def _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, ro
 
 
 @gluon.jit
-def _step(a0, b0, acc0, acc1, i, stage, n, tile, kb, t_in, kb_in, p, tb, x_desc, w_desc, x_smem, w_smem, w_box,
-          bars, ws_ptr, M, Np, NKB, STEPS, PROGRAMS, BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-          FRAGS: gl.constexpr, HALVES: gl.constexpr, MMA: gl.constexpr, A_LAYOUT: gl.constexpr, L7: gl.constexpr,
-          WL: gl.constexpr):
-    """Step i of a program, its stage arrived and its first fragment decoded (a0; with HALVES
-    a0, b0): the MMAs against x' of ``stage`` (the second fragment decoded under the first's),
-    the refill of the stage with the step STAGES ahead, the partials' store where the program's
-    part of the tile ends. Returns the accumulators and the read and fetch positions advanced."""
-    NX: gl.constexpr = 2 if HALVES else 1
-    carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
-    xs = x_smem.index(stage * NX).permute((1, 0))
-    if HALVES:
-        xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
-        acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
-        acc0 = warpgroup_mma(b0, xs1, acc0, is_async=True)
-        # One fragment's operands in registers at a time: two fragments' (128 registers)
-        # pushed the build to 231 registers and a hundred more moves a step (offline census).
-        acc0, a0, b0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0))
-        if FRAGS == 2:
-            a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
-            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
-            acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
-            acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
-    else:
-        acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
-        if FRAGS == 2:
-            a1 = _decode_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
-            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
-            acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
-        else:
-            acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
-    # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
-    j = i + STAGES
-    xbytes: gl.constexpr = NX * x_desc.block_type.nbytes
-    mbarrier.expect(bars.index(stage), xbytes + w_desc.block_type.nbytes, pred=j < n)
-    for hx in gl.static_range(NX):
-        tma_async_load(x_desc, [tb * BN, (kb_in * NX + hx) * 128], bars.index(stage), x_smem.index(stage * NX + hx),
-                       pred=j < n)
-    tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
-                   pred=j < n)
-    t_in, kb_in = _next_step(t_in, kb_in, NKB)
-    if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
-        _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, tb * BN, BN, FRAGS, MMA)
-    tile, kb = _next_step(tile, kb, NKB)
-    return acc0, acc1, tile, kb, t_in, kb_in
-
-
-@gluon.jit
 def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
                          HALVES: gl.constexpr, PDL: gl.constexpr):
@@ -469,10 +421,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     s + 8) against the two copies of x' (two activation tiles a step).
 
     With PDL (programmatic dependent launch) the program starts while the input transform runs:
-    it fetches its first STAGES word blocks, which no kernel writes, and decodes its first step's
-    first fragment (the first word block has an mbarrier of its own), then waits for x'. The
-    first step is peeled off the loop (``_step``), so no decoded fragment crosses the loop's back
-    edge. It releases the output transform after its loop.
+    it fetches its first STAGES word blocks, which no kernel writes, then waits for x'. It
+    releases the output transform after its loop.
     """
     p = gl.program_id(0)
     tb = gl.program_id(1)
@@ -491,39 +441,20 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     W_SMEM: gl.constexpr = w_desc.layout
     w_box = smem_reinterpret(w_smem, gl.int32, [STAGES, 8 * FRAGS, 128], W_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # The first step's words arrive on a barrier of their own, so that they are decoded while
-    # the input transform still runs (before x' exists).
-    first = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    mbarrier.init(first.index(0), count=1)
     fence_async_shared()
 
     row0 = tb * BN
-    xbytes: gl.constexpr = NX * x_desc.block_type.nbytes
-    wbytes: gl.constexpr = w_desc.block_type.nbytes
+    nbytes: gl.constexpr = NX * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     tile = s0 // NKB  # the step being read, as (tile, k-block); then advanced without dividing
     kb = s0 - tile * NKB
     t_in = tile  # the step being fetched
     kb_in = kb
-    # n >= 1: the launcher never runs more programs than steps.
-    mbarrier.expect(first.index(0), wbytes)
-    tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], first.index(0), w_box.index(0))
-    mbarrier.expect(bars.index(0), xbytes)
-    t_in, kb_in = _next_step(t_in, kb_in, NKB)
-    for i in gl.static_range(1, STAGES):
-        mbarrier.expect(bars.index(i), xbytes + wbytes, pred=i < n)
+    for i in gl.static_range(STAGES):
+        mbarrier.expect(bars.index(i), nbytes, pred=i < n)
         tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(i), w_box.index(i), pred=i < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
-    # The first step's first fragment is decoded from the weights alone, before the wait for the
-    # input transform, so its MMAs start as soon as x' is there.
-    mbarrier.wait(first.index(0), 0)
-    w0 = _fragment_words(w_smem, 0, WL)
-    if HALVES:
-        a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT)
-    else:
-        a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
-        b0 = a0  # unused: the exact codec has one operand a fragment
     if PDL:
         _grid_dependency(_WAIT_ASM)
     t_x = tile  # the activations' k-blocks follow the words' (the tile is not needed)
@@ -533,30 +464,50 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             tma_async_load(x_desc, [row0, (kb_x * NX + hx) * 128], bars.index(i), x_smem.index(i * NX + hx),
                            pred=i < n)
         t_x, kb_x = _next_step(t_x, kb_x, NKB)
-    mbarrier.wait(bars.index(0), 0)
 
     acc0 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
     acc1 = gl.zeros([64, BN], dtype=gl.float32, layout=MMA)
-    # The first step is peeled (its first fragment decoded above); the loop's steps decode theirs
-    # after their stage's wait. Carrying decoded fragments across the loop's back edge instead
-    # (a rotated loop) cost 86 PRMT a step at 8 tokens: the halves were repacked (offline SASS).
-    acc0, acc1, tile, kb, t_in, kb_in = _step(a0, b0, acc0, acc1, 0, 0, n, tile, kb, t_in, kb_in, p, tb, x_desc,
-                                              w_desc, x_smem, w_smem, w_box, bars, ws_ptr, M, Np, NKB, STEPS,
-                                              PROGRAMS, BITS, BN, STAGES, FRAGS, HALVES, MMA, A_LAYOUT, L7, WL)
-    stage = 1 % STAGES  # the ring position of step 1
-    phase = 1 if STAGES == 1 else 0
-    for i in range(1, n):
+    stage = 0
+    phase = 0
+    for i in range(n):
+        carry = (kb != 0) & (i != 0)  # false at the first step of this program's part of the tile
+        xs = x_smem.index(stage * NX).permute((1, 0))
         mbarrier.wait(bars.index(stage), phase)
         w0 = _fragment_words(w_smem, stage * FRAGS, WL)
         if HALVES:
+            xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
             a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT)
+            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
+            acc0 = warpgroup_mma(b0, xs1, acc0, is_async=True)
+            # One fragment's operands in registers at a time: two fragments' (128 registers)
+            # pushed the build to 231 registers and a hundred more moves a step (offline census).
+            acc0, a0, b0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0))
+            if FRAGS == 2:
+                a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
+                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
+                acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
+                acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
         else:
             a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
-            b0 = a0
-        acc0, acc1, tile, kb, t_in, kb_in = _step(a0, b0, acc0, acc1, i, stage, n, tile, kb, t_in, kb_in, p, tb,
-                                                  x_desc, w_desc, x_smem, w_smem, w_box, bars, ws_ptr, M, Np, NKB,
-                                                  STEPS, PROGRAMS, BITS, BN, STAGES, FRAGS, HALVES, MMA, A_LAYOUT,
-                                                  L7, WL)
+            acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
+            if FRAGS == 2:
+                a1 = _decode_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
+                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
+                acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
+            else:
+                acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
+        # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
+        j = i + STAGES
+        mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
+        for hx in gl.static_range(NX):
+            tma_async_load(x_desc, [row0, (kb_in * NX + hx) * 128], bars.index(stage), x_smem.index(stage * NX + hx),
+                           pred=j < n)
+        tma_async_load(w_desc, [_word_row(t_in, kb_in, NKB, FRAGS), 0], bars.index(stage), w_box.index(stage),
+                       pred=j < n)
+        t_in, kb_in = _next_step(t_in, kb_in, NKB)
+        if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
+            _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, FRAGS, MMA)
+        tile, kb = _next_step(tile, kb, NKB)
         stage += 1
         phase ^= (stage == STAGES).to(gl.int32)
         stage = gl.where(stage == STAGES, 0, stage)
@@ -565,7 +516,6 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         _grid_dependency(_RELEASE_ASM)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    mbarrier.invalidate(first.index(0))
 
 
 @gluon.jit
