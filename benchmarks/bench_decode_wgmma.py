@@ -22,6 +22,7 @@ import sys
 import traceback
 
 import torch
+import triton
 
 from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
@@ -29,7 +30,7 @@ from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qwe
 from escha.kernels import decode
 from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments,
                                         gemm_partials, mma_order_core, packed_words)
-from escha.kernels.transforms import hadamard_input, hadamard_output
+from escha.kernels.transforms import hadamard_input, hadamard_output, input_blocks_per_program, output_shape
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, load_previous, revision, weight_set  # noqa: E402
@@ -204,6 +205,9 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="also time fragments x grid variants")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
+    ap.add_argument("--transform-variants", action="store_true",
+                    help="also time the call with other launch shapes of its transforms (the input transform's "
+                         "blocks a program; the output transform's tokens and warps a program)")
     ap.add_argument("--previous", help="earlier decode_wgmma.py files, comma-separated, each timed as an arm wgmma@REV")
     args = ap.parse_args()
     previous = {"wgmma@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
@@ -271,6 +275,29 @@ def main() -> int:
                             log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
                             continue
                         arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
+                if args.transform_variants:
+                    rule_blocks = input_blocks_per_program(m, ws[0].padded_shape[1] // 128)
+                    for blocks in (1, 2, 4, 8, 16):
+                        if blocks == rule_blocks:
+                            continue
+                        c2 = dataclasses.replace(cfg, input_blocks=blocks)
+                        e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
+                        if not e <= TOL[torch.bfloat16]:
+                            log(f"GATE FAIL {name} M={m} in_b{blocks}: {e:.3e}")
+                            continue
+                        arms[f"in_b{blocks}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
+                    for tokens in (1, 2, 4, 8, 16):
+                        for warps in (1, 2, 4):
+                            if (tokens, warps) == output_shape(m) or tokens > triton.next_power_of_2(m) or (
+                                    warps < 4 and tokens > 2):
+                                continue  # the rule's own shape, or one the offline census rules out
+                            c2 = dataclasses.replace(cfg, output_shape=(tokens, warps))
+                            e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
+                            if not e <= TOL[torch.bfloat16]:
+                                log(f"GATE FAIL {name} M={m} out_t{tokens}w{warps}: {e:.3e}")
+                                continue
+                            arms[f"out_t{tokens}w{warps}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2),
+                                                              len(ws))
                 med = time_arms(timer, arms, args.rounds)
                 if args.breakdown:
                     med["part_sum"] = med["part_input"] + med["part_gemm"] + med["part_output"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from escha.format import decode_trellis, dequantize, random_qweight
+from escha.norm import HeadNorm
 from escha.kernels.compile_check import programs_per_sm, res_usage
 from escha.format.bitstream import states_from_words
 from escha.format.codebooks import get as codebook
@@ -375,6 +376,36 @@ def test_dependent_launch_chain(graph, early):
     for qw in qws:
         ref = (ref @ dequantize(qw).double().T) * 0.5
     assert float((got.double() - ref).norm() / ref.norm()) < 12 * 2 * (2.0**-8 + 2.0**-11)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("head_norm", [False, True])
+def test_transform_launch_shapes_give_the_rules_bits(m, head_norm):
+    """The transforms' launch shapes (the input transform's blocks a program, the output
+    transform's tokens and warps a program) move no bit: each element takes the same operations
+    in the same order, whatever program holds it. Fresh NaN-poisoned outputs each time."""
+    qw = random_qweight(640, 384, bits=2, seed=m, device="cuda")
+    x = torch.randn(m, 384, device="cuda", dtype=torch.bfloat16)
+    hn = None
+    if head_norm:
+        blocks = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int8, device="cuda")
+        hn = HeadNorm(torch.rand(640, device="cuda", dtype=torch.bfloat16) + 0.5, blocks, 1e-6)
+    cfg = dw.decode_wgmma_config(qw, m, x.device)
+    want = dw.decode_wgmma(x, qw, config=cfg, head_norm=hn, out=torch.full((m, 640), float("nan"), device="cuda",
+                                                                            dtype=torch.bfloat16))
+    assert torch.isfinite(want).all()
+    for tokens in (1, 2, 4, 8, 16):
+        for warps in (1, 2, 4):
+            c2 = dataclasses.replace(cfg, output_shape=(tokens, warps))
+            got = dw.decode_wgmma(x, qw, config=c2, head_norm=hn,
+                                  out=torch.full((m, 640), float("nan"), device="cuda", dtype=torch.bfloat16))
+            assert torch.equal(got, want), (tokens, warps)
+    for blocks in (1, 2, 4):
+        got = dw.decode_wgmma(x, qw, config=dataclasses.replace(cfg, input_blocks=blocks), head_norm=hn,
+                              out=torch.full((m, 640), float("nan"), device="cuda", dtype=torch.bfloat16))
+        assert torch.equal(got, want), blocks
 
 
 @pytest.mark.gpu

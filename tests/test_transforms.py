@@ -168,6 +168,24 @@ def test_hadamard_output_against_the_reference(m, split, dtype):
     assert rel <= (2.0 ** -20 if dtype == torch.float32 else 2.0 ** -8), rel
 
 
+@pytest.mark.parametrize("m", [1, 7, 17])
+def test_hadamard_output_launch_shapes_give_the_same_bits(m):
+    """Any launch shape (tokens, warps) a program gives the default shape's bits: a ragged last
+    program masks its padded rows, and no element's operations change."""
+    g = torch.Generator().manual_seed(m)
+    qw = random_qweight(300, 256, 2, seed=m, device=DEV)
+    z = torch.randn(3, m, qw.padded_shape[0], generator=g).to(DEV)
+    inv = torch.exp2(torch.randint(-5, 6, (m,), generator=g).float()).to(DEV)
+    want = hadamard_output(z, qw, inv, torch.full((m, 300), float("nan"), dtype=torch.bfloat16, device=DEV))
+    assert torch.isfinite(want).all()
+    for shape in [(1, 1), (2, 2), (4, 4), (8, 4), (16, 4)]:
+        got = hadamard_output(z, qw, inv, torch.full((m, 300), float("nan"), dtype=torch.bfloat16, device=DEV),
+                              shape=shape)
+        assert torch.equal(got, want), shape
+    with pytest.raises(ValueError, match="shape must be"):
+        hadamard_output(z, qw, inv, torch.empty(m, 300, dtype=torch.bfloat16, device=DEV), shape=(3, 4))
+
+
 def test_hadamard_output_head_norm_against_the_model_norm():
     """The flagged head normalised as HeadNorm.apply does it to the projection's bf16 output."""
     g = torch.Generator().manual_seed(5)

@@ -573,6 +573,8 @@ class DecodeWgmmaConfig:
     early_start: bool  # with dependent_launch: the GEMM launches as the input transform starts, not as it ends
     max_registers: int | None = None  # ptxas's register cap per thread (None: its own choice)
     halves: bool = False  # the halves codec: weights lo + hi unrounded, two MMAs a fragment and step
+    input_blocks: int | None = None  # Hadamard blocks an input-transform program (None: its rule)
+    output_shape: tuple[int, int] | None = None  # (tokens, warps) an output-transform program (None: its rule)
 
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
@@ -751,10 +753,12 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
         return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
-                                 release_early=pdl and cfg.early_start, norm=norm, halves=cfg.halves)
+                                 release_early=pdl and cfg.early_start, norm=norm, halves=cfg.halves,
+                                 blocks=cfg.input_blocks)
     ws, counts, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
     y = output_tensor(x, m, qw.out_features, out)
-    pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
+    pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts,
+                          shape=cfg.output_shape)
     if pin is not None and pgemm is not None and pout is not None:
         packed.plans[key] = (ws.shape[0], pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)

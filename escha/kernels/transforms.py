@@ -311,9 +311,15 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
 
 
+def output_shape(m: int) -> tuple[int, int]:
+    """(tokens, warps) a program of the output transform for m tokens: up to 16 tokens, no padded
+    rows at few tokens, 4 warps."""
+    return min(16, triton.next_power_of_2(m)), 4
+
+
 def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
                     dependent_launch: bool = False, head_norm: HeadNorm | None = None,
-                    segments: torch.Tensor | None = None) -> torch.Tensor:
+                    segments: torch.Tensor | None = None, shape: tuple[int, int] | None = None) -> torch.Tensor:
     """Sum split partials z [SPLIT, M, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
 
     ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride.
@@ -322,18 +328,24 @@ def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tenso
     inside the output), applied before the store.
     ``segments``: int32 [Np/64], how many of the partials (the first ones) hold a part of each
     64-row group; the others are not read (None: all SPLIT everywhere).
+    ``shape``: (tokens, warps) a program (tokens a power of two; default ``output_shape``); the
+    shape moves no bit of the result.
     """
-    prepare_output(z, qw, inv_scale, out, dependent_launch, head_norm, segments, keep=False)
+    prepare_output(z, qw, inv_scale, out, dependent_launch, head_norm, segments, keep=False, shape=shape)
     return out
 
 
 def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
                    dependent_launch: bool = False, head_norm: HeadNorm | None = None,
-                   segments: torch.Tensor | None = None, keep: bool = True) -> Prepared | None:
+                   segments: torch.Tensor | None = None, keep: bool = True,
+                   shape: tuple[int, int] | None = None) -> Prepared | None:
     """``hadamard_output``, returning with ``keep`` its launch prepared to run again
     (``common.Prepared``; per-call tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's
     weight and flags, which are out when there is none), else None."""
     split, m, np_ = z.shape
+    bm, warps = shape or output_shape(m)
+    if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8):
+        raise ValueError(f"shape must be (tokens a power of two, warps 1/2/4/8), got {shape}")
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
     if segments is None:
@@ -344,12 +356,11 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     if head_norm is not None and (head_norm.weight.shape[0] != np_ or not head_norm.fusable(out)):
         raise ValueError(f"head norm: weight must be contiguous {out.dtype} [{np_}] and blocks int8 "
                          f"[{np_ // HAD_BLOCK}]")
-    bm = min(16, triton.next_power_of_2(m))  # tokens a program: no padded rows at few tokens
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
     args = (z, out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb, segments,
             0.0 if head_norm is None else head_norm.eps, m, qw.out_features, np_, out.stride(0))
-    settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=4,
+    settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=warps,
                     launch_pdl=dependent_launch)
     return prepare(_output_transform_kernel, grid, *args, slots=OUTPUT_SLOTS if keep else None, **settings)
 
