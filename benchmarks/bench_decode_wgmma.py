@@ -288,7 +288,7 @@ def main() -> int:
                         arms[f"in_b{blocks}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                     for tokens in (1, 2, 4, 8, 16):
                         for warps in (1, 2, 4):
-                            if (tokens, warps) == output_shape(m) or tokens > triton.next_power_of_2(m) or (
+                            if (tokens, warps) == output_shape(m, ws[0].padded_shape[0]) or tokens > triton.next_power_of_2(m) or (
                                     warps < 4 and tokens > 2):
                                 continue  # the rule's own shape, or one the offline census rules out
                             c2 = dataclasses.replace(cfg, output_shape=(tokens, warps))

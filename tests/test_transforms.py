@@ -168,6 +168,22 @@ def test_hadamard_output_against_the_reference(m, split, dtype):
     assert rel <= (2.0 ** -20 if dtype == torch.float32 else 2.0 ** -8), rel
 
 
+def test_output_shape_rule():
+    """The output transform's rule: the most tokens a program (up to 16, no more than m rounded up
+    to a power of two) that still leave OUTPUT_PROGRAMS programs, else one; 4 warps."""
+    from escha.kernels.transforms import OUTPUT_PROGRAMS, output_shape
+    assert output_shape(1, 17408) == (1, 4) and output_shape(1, 5120) == (1, 4)
+    assert output_shape(16, 17408) == (4, 4) and output_shape(16, 5120) == (1, 4)
+    assert output_shape(64, 17408) == (16, 4) and output_shape(64, 5120) == (4, 4)
+    for m in (1, 2, 3, 8, 13, 16, 33, 64, 100, 128, 1000):
+        for np_ in (128, 1024, 4096, 5120, 17408, 32768):
+            t, w = output_shape(m, np_)
+            programs = np_ // 128 * -(-m // t)
+            assert w == 4 and t & (t - 1) == 0 and 1 <= t <= min(16, 1 << (m - 1).bit_length())
+            assert t == 1 or programs >= OUTPUT_PROGRAMS
+            assert t == min(16, 1 << (m - 1).bit_length()) or np_ // 128 * -(-m // (2 * t)) < OUTPUT_PROGRAMS
+
+
 @pytest.mark.parametrize("m", [1, 7, 17])
 def test_hadamard_output_launch_shapes_give_the_same_bits(m):
     """Any launch shape (tokens, warps) a program gives the default shape's bits: a ragged last

@@ -311,10 +311,20 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
 
 
-def output_shape(m: int) -> tuple[int, int]:
-    """(tokens, warps) a program of the output transform for m tokens: up to 16 tokens, no padded
-    rows at few tokens, 4 warps."""
-    return min(16, triton.next_power_of_2(m)), 4
+#: Output-transform programs the rule aims at: about four an SM of an H100/H200 (132).
+OUTPUT_PROGRAMS = 512
+
+
+def output_shape(m: int, np_: int) -> tuple[int, int]:
+    """(tokens, warps) a program of the output transform for m tokens of an Np-row weight: 4 warps
+    and the most tokens (a power of two, at most 16, no more than m rounded up) that still give
+    OUTPUT_PROGRAMS programs over the Np/128 row blocks, else one token a program (H200,
+    benchmarks/results/transform_shapes_h200/: fewer rows a program took 1-4% off a call at 8-16
+    tokens on the narrow projections, where 16 rows a program left 40 programs)."""
+    t = min(16, triton.next_power_of_2(m))
+    while t > 1 and (np_ // HAD_BLOCK) * triton.cdiv(m, t) < OUTPUT_PROGRAMS:
+        t //= 2
+    return t, 4
 
 
 def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
@@ -343,7 +353,7 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     (``common.Prepared``; per-call tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's
     weight and flags, which are out when there is none), else None."""
     split, m, np_ = z.shape
-    bm, warps = shape or output_shape(m)
+    bm, warps = shape or output_shape(m, np_)
     if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8):
         raise ValueError(f"shape must be (tokens a power of two, warps 1/2/4/8), got {shape}")
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
