@@ -30,7 +30,7 @@ from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qwe
 from escha.kernels import decode
 from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments,
                                         gemm_partials, mma_order_core, packed_words)
-from escha.kernels.transforms import hadamard_input, hadamard_output, output_shape
+from escha.kernels.transforms import hadamard_input, hadamard_output, input_blocks_per_program, output_shape
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, load_previous, revision, weight_set  # noqa: E402
@@ -276,8 +276,9 @@ def main() -> int:
                             continue
                         arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 if args.transform_variants:
-                    for blocks in (1, 2, 4, 8, 16, 32):
-                        if blocks == cfg.input_blocks or blocks > 2 * ws[0].padded_shape[1] // 128:
+                    rule_blocks = input_blocks_per_program(m, ws[0].padded_shape[1] // 128)
+                    for blocks in (1, 2, 4, 8, 16):
+                        if blocks == rule_blocks:
                             continue
                         c2 = dataclasses.replace(cfg, input_blocks=blocks)
                         e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)

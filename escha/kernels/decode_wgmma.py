@@ -58,7 +58,7 @@ from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
                      device_constant, interpreted, output_tensor, prepare)
-from .transforms import input_blocks_per_program, input_columns, prepare_input, prepare_output
+from .transforms import input_columns, prepare_input, prepare_output
 from .triton_compat import smem_reinterpret, tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
@@ -588,10 +588,6 @@ PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
 #: take 137 and 165 registers uncapped (3 programs an SM) and 128 capped, without spills (4 an SM).
 REGISTER_CAPS = {(3, 32): 128, (3, 64): 128}
 MIN_STEPS = 2  # k-blocks a program takes at least
-#: Programs the call's input transform aims at (``transforms.input_blocks_per_program``): half the
-#: SMs. Its programs start beside the GEMM's (the early start), and fewer of them, each taking more
-#: blocks of the row, left the call 0-3% faster at 1-32 tokens (note at the end of this module).
-INPUT_PROGRAMS = 64
 
 
 def register_cap(bits: int, block_tokens: int) -> int | None:
@@ -668,8 +664,7 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
     return DecodeWgmmaConfig(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
                              early_start=True, max_registers=register_cap(bits, block_tokens),
-                             halves=halves, input_blocks=input_blocks_per_program(m, kp // BLOCK_K,
-                                                                                  programs=INPUT_PROGRAMS))
+                             halves=halves)
 
 
 def segment_counts(programs: int, tiles: int, kblocks: int, fragments: int,

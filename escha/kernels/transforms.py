@@ -177,9 +177,9 @@ def _transform_tile(xt, sv, b, k, nw_ptr, xq_ptr, m, rstd, scale, a, Kp, K_in, C
 INPUT_PROGRAMS = 132
 
 
-def input_blocks_per_program(m: int, blocks: int, parallel: bool = True, programs: int = INPUT_PROGRAMS) -> int:
+def input_blocks_per_program(m: int, blocks: int, parallel: bool = True) -> int:
     """Hadamard blocks one input-transform program takes (1, 2, 4, 8, 16 or 32): where programs run
-    in ``parallel`` (compiled kernels) the most that still leave ``programs`` programs for M
+    in ``parallel`` (compiled kernels) the most that still leave ``INPUT_PROGRAMS`` programs for M
     tokens of ``blocks`` blocks each, at least one. Every program reads its token's whole row for
     the row's max |x| (an L2 hit after the first), so fewer blocks a program means more parallel
     programs for the same few tokens but more redundant row reads: at one token the kernel is
@@ -189,7 +189,7 @@ def input_blocks_per_program(m: int, blocks: int, parallel: bool = True, program
     14-36% faster). Triton's CPU interpreter runs programs one after another, so there every
     program takes 16."""
     ch = 32
-    while parallel and ch > 1 and m * -(-blocks // ch) < programs:
+    while parallel and ch > 1 and m * -(-blocks // ch) < INPUT_PROGRAMS:
         ch //= 2
     return ch if parallel else 16
 
