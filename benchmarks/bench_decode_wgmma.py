@@ -276,9 +276,9 @@ def main() -> int:
                             continue
                         arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 if args.transform_variants:
-                    rule_blocks = input_blocks_per_program(m, ws[0].padded_shape[1] // 128)
-                    for blocks in (1, 2, 4, 8, 16):
-                        if blocks == rule_blocks:
+                    rule_blocks = cfg.input_blocks or input_blocks_per_program(m, ws[0].padded_shape[1] // 128)
+                    for blocks in (1, 2, 4, 8, 16, 32):
+                        if blocks == rule_blocks or blocks > 2 * ws[0].padded_shape[1] // 128:
                             continue
                         c2 = dataclasses.replace(cfg, input_blocks=blocks)
                         e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
