@@ -423,3 +423,17 @@ def prepare_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor
             out.stride(0))
     return prepare(_output_hadamard_kernel, grid, *args, slots=("z_ptr", "y_ptr") if keep else None, BM=bm,
                    DOT_DTYPE=ddt, num_warps=4)
+
+
+# -- Why the launch shapes are what they are -----------------------------------------------------
+# Measured on one H200 (torch 2.11+cu130, triton 3.6.0), the whole register-operand decode call in
+# CUDA graphs, weights rotated past L2, median of 5 rounds in one process
+# (bench_decode_wgmma.py --transform-variants; benchmarks/results/transform_shapes_h200/).
+# Output transform: 16 tokens a program left 40 programs on a 5120-row weight at 8-16 tokens; the
+# most tokens that still leave OUTPUT_PROGRAMS programs took 1.1-4.2% off the call at 8-16 tokens
+# and -3.0% to +0.5% at 32-64 in three runs over four shapes (down 5120x8704 at 16 tokens: 23.5
+# against 24.3 us; Llama-3-8B down: 27.3 against 28.2). One or two warps
+# a program were never faster than four beyond noise.
+# Input transform: aiming the decode call's input transform at 64 programs instead of
+# INPUT_PROGRAMS gained at most 1.4% at 8-16 tokens and lost up to 2.8% at 32-64 (run 3): the
+# rule stays.
