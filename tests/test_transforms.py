@@ -182,6 +182,7 @@ def test_output_shape_rule():
             assert w == 4 and t & (t - 1) == 0 and 1 <= t <= min(16, 1 << (m - 1).bit_length())
             assert t == 1 or programs >= OUTPUT_PROGRAMS
             assert t == min(16, 1 << (m - 1).bit_length()) or np_ // 128 * -(-m // (2 * t)) < OUTPUT_PROGRAMS
+            assert output_shape(m, np_, parallel=False) == (min(16, 1 << (m - 1).bit_length()), 4)
 
 
 @pytest.mark.parametrize("m", [1, 7, 17])

@@ -315,14 +315,16 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
 OUTPUT_PROGRAMS = 512
 
 
-def output_shape(m: int, np_: int) -> tuple[int, int]:
+def output_shape(m: int, np_: int, parallel: bool = True) -> tuple[int, int]:
     """(tokens, warps) a program of the output transform for m tokens of an Np-row weight: 4 warps
     and the most tokens (a power of two, at most 16, no more than m rounded up) that still give
     OUTPUT_PROGRAMS programs over the Np/128 row blocks, else one token a program (H200,
     benchmarks/results/transform_shapes_h200/: fewer rows a program took 1-4% off a call at 8-16
-    tokens on the narrow projections, where 16 rows a program left 40 programs)."""
+    tokens on the narrow projections, where 16 rows a program left 40 programs). Where programs
+    do not run in ``parallel`` (Triton's CPU interpreter runs them one after another) the most
+    tokens."""
     t = min(16, triton.next_power_of_2(m))
-    while t > 1 and (np_ // HAD_BLOCK) * triton.cdiv(m, t) < OUTPUT_PROGRAMS:
+    while parallel and t > 1 and (np_ // HAD_BLOCK) * triton.cdiv(m, t) < OUTPUT_PROGRAMS:
         t //= 2
     return t, 4
 
@@ -353,7 +355,7 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     (``common.Prepared``; per-call tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's
     weight and flags, which are out when there is none), else None."""
     split, m, np_ = z.shape
-    bm, warps = shape or output_shape(m, np_)
+    bm, warps = shape or output_shape(m, np_, parallel=not interpreted())
     if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8):
         raise ValueError(f"shape must be (tokens a power of two, warps 1/2/4/8), got {shape}")
     if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
