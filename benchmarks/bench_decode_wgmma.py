@@ -1,7 +1,7 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
     python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--bits 2|3]
-        [--shapes gate_up,down] [--variants] [--breakdown] [--previous FILE[,FILE...]]
+        [--shapes gate_up,down] [--variants] [--transform-variants] [--breakdown] [--previous FILE[,FILE...]]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
 reference codec, the GEMM against an fp64 reference within the decode tolerance table. Timing:
@@ -9,7 +9,8 @@ weights rotated over >= 4x L2, one CUDA graph per arm calling it once per weight
 rounds interleaved across arms, median over rounds. With ``--previous`` (earlier versions of
 escha/kernels/decode_wgmma.py, e.g. from ``git show REV:...`` saved as decode_wgmma_REV.py), each
 version's rule is one more arm (``wgmma@REV``), gated as the others: a change measured against
-what it replaces in one process.
+what it replaces in one process. ``--transform-variants`` times the call at other launch shapes of
+its input and output transforms (``transform_variants``).
 """
 from __future__ import annotations
 
@@ -129,6 +130,23 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     if cfg.block_tokens == 128 and m > 128:  # one token block of 256 (1 program an SM, 2 stages)
         out["bn256"] = dataclasses.replace(cfg, block_tokens=256, stages=2, programs=wave(1, 256))
     return {k: v for k, v in out.items() if v != cfg}
+
+
+def transform_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
+    """The rule's configuration with other launch shapes of the call's transforms: the input
+    transform at 1-32 Hadamard blocks a program (``in_b*``), the output transform at 1-16 tokens
+    a program with 4 warps, and with 1 or 2 warps at 1-2 tokens (``out_t*w*``; more tokens with
+    fewer warps hold 50-255 registers in the offline census), the rule's own shapes left out."""
+    blocks = qw.padded_shape[1] // 128
+    rule_blocks = cfg.input_blocks or input_blocks_per_program(m, blocks)
+    out = {f"in_b{b}": dataclasses.replace(cfg, input_blocks=b) for b in (1, 2, 4, 8, 16, 32)
+           if b != rule_blocks and b <= 2 * blocks}
+    rule_shape = cfg.output_shape or output_shape(m, qw.padded_shape[0])
+    for tokens in (1, 2, 4, 8, 16):
+        for warps in (1, 2, 4):
+            if (tokens, warps) != rule_shape and tokens <= triton.next_power_of_2(m) and (warps == 4 or tokens <= 2):
+                out[f"out_t{tokens}w{warps}"] = dataclasses.replace(cfg, output_shape=(tokens, warps))
+    return out
 
 
 def start_run(out: str, log_name: str, gate=None) -> tuple:
@@ -267,37 +285,15 @@ def main() -> int:
                                                  release_early=c.dependent_launch and c.early_start)
                         return gemm_partials(xq_i, ws[i], c)[0]
                     arms["input_and_gemm"] = (input_and_gemm, len(ws))
-                if args.variants:
-                    for label, c2 in variant_configs(cfg, ws[0], m).items():
-                        e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
-                        point[f"err_{label}"] = e
-                        if not e <= TOL[torch.bfloat16]:
-                            log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
-                            continue
-                        arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
-                if args.transform_variants:
-                    rule_blocks = cfg.input_blocks or input_blocks_per_program(m, ws[0].padded_shape[1] // 128)
-                    for blocks in (1, 2, 4, 8, 16, 32):
-                        if blocks == rule_blocks or blocks > 2 * ws[0].padded_shape[1] // 128:
-                            continue
-                        c2 = dataclasses.replace(cfg, input_blocks=blocks)
-                        e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
-                        if not e <= TOL[torch.bfloat16]:
-                            log(f"GATE FAIL {name} M={m} in_b{blocks}: {e:.3e}")
-                            continue
-                        arms[f"in_b{blocks}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
-                    for tokens in (1, 2, 4, 8, 16):
-                        for warps in (1, 2, 4):
-                            if (tokens, warps) == output_shape(m, ws[0].padded_shape[0]) or tokens > triton.next_power_of_2(m) or (
-                                    warps < 4 and tokens > 2):
-                                continue  # the rule's own shape, or one the offline census rules out
-                            c2 = dataclasses.replace(cfg, output_shape=(tokens, warps))
-                            e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
-                            if not e <= TOL[torch.bfloat16]:
-                                log(f"GATE FAIL {name} M={m} out_t{tokens}w{warps}: {e:.3e}")
-                                continue
-                            arms[f"out_t{tokens}w{warps}"] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2),
-                                                              len(ws))
+                variants = {**(variant_configs(cfg, ws[0], m) if args.variants else {}),
+                            **(transform_variants(cfg, ws[0], m) if args.transform_variants else {})}
+                for label, c2 in variants.items():  # each gated against fp64 before it is timed
+                    e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
+                    point[f"err_{label}"] = e
+                    if not e <= TOL[torch.bfloat16]:
+                        log(f"GATE FAIL {name} M={m} {label}: {e:.3e}")
+                        continue
+                    arms[label] = (lambda i, c2=c2: decode_wgmma(xs[i % 2], ws[i], config=c2), len(ws))
                 med = time_arms(timer, arms, args.rounds)
                 if args.breakdown:
                     med["part_sum"] = med["part_input"] + med["part_gemm"] + med["part_output"]
