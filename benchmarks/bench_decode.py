@@ -220,11 +220,19 @@ def steady_loop(sass: str) -> tuple[list[str], int]:
     a predicated backward branch (its back edge; ``loop_region`` may take the unconditional
     return from an out-of-line wait retry instead), the store the first forward branch in it that
     skips more than 40 instructions."""
+    instrs, _ = sass_instructions(sass)
+    first, s0, s1, last = steady_loop_span(sass)
+    return instrs[first:s0 + 1] + instrs[s1:last + 1], s1 - s0 - 1
+
+
+def steady_loop_span(sass: str) -> tuple[int, int, int, int]:
+    """Positions (in ``sass_instructions``' order) of ``steady_loop``'s parts: the loop runs from
+    the first to the last, the tile-end store's branch is at the second and its target the third."""
     instrs, labels = sass_instructions(sass)
     jumps = branches(instrs, labels, addresses=True)
     first, last = max(((t, i) for i, t in jumps if t <= i and instrs[i].startswith("@")), key=lambda r: r[1] - r[0])
     s0, s1 = next((i, t) for i, t in jumps if first <= i and i + 40 < t <= last)
-    return instrs[first:s0 + 1] + instrs[s1:last + 1], s1 - s0 - 1
+    return first, s0, s1, last
 
 
 def loop_census(sass: str, containing: str | None = None) -> dict[str, int]:

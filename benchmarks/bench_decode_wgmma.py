@@ -1,7 +1,8 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
     python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--bits 2|3]
-        [--shapes gate_up,down] [--variants] [--transform-variants] [--breakdown] [--previous FILE[,FILE...]]
+        [--shapes gate_up,down] [--variants] [--cap-variants] [--transform-variants] [--breakdown]
+        [--previous FILE[,FILE...]]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
 reference codec, the GEMM against an fp64 reference within the decode tolerance table. Timing:
@@ -10,7 +11,8 @@ rounds interleaved across arms, median over rounds. With ``--previous`` (earlier
 escha/kernels/decode_wgmma.py, e.g. from ``git show REV:...`` saved as decode_wgmma_REV.py), each
 version's rule is one more arm (``wgmma@REV``), gated as the others: a change measured against
 what it replaces in one process. ``--transform-variants`` times the call at other launch shapes of
-its input and output transforms (``transform_variants``).
+its input and output transforms (``transform_variants``), ``--cap-variants`` the rule's kernel built
+under other register caps (``cap_variants``).
 """
 from __future__ import annotations
 
@@ -132,6 +134,35 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     return {k: v for k, v in out.items() if v != cfg}
 
 
+#: The rule's variant under other ptxas register caps, by (K, token block): (label, changes to the
+#: configuration, programs an SM). The programs an SM are those of each sm_90a build under triton
+#: 3.6.0, and none of these builds spills (benchmarks/results/caps_offline/: registers, stack,
+#: shared memory and the loop's SASS census of every cap). Two kinds: the same occupancy as the
+#: rule's build (a cap changes ptxas's schedule even where the build keeps its registers), and one
+#: program an SM more where a cap of 96 builds without spills (with a ring of 2 at 32 tokens).
+CAP_ARMS = {
+    (2, 8): [("c96w5", {"max_registers": 96}, 5)],
+    (2, 16): [("c128w4", {"max_registers": 128}, 4), ("c112w4", {"max_registers": 112}, 4)],
+    (2, 32): [("c96w4", {"max_registers": 96}, 4), ("s2c96w5", {"stages": 2, "max_registers": 96}, 5)],
+    (2, 64): [("c128w4", {"max_registers": 128}, 4), ("c120w4", {"max_registers": 120}, 4),
+              ("c96w5", {"max_registers": 96}, 5)],
+    (3, 32): [("s2c96w5", {"stages": 2, "max_registers": 96}, 5)],
+    (3, 64): [("c120w4", {"max_registers": 120}, 4), ("c96w5", {"max_registers": 96}, 5)],
+}
+
+
+def cap_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
+    """The rule's configuration under the register caps of CAP_ARMS, each one wave at its build's
+    programs an SM (``cap_<label>``)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    steps = qw.padded_shape[0] // (64 * cfg.fragments) * (qw.padded_shape[1] // 128)
+    out = {}
+    for label, changes, per_sm in CAP_ARMS.get((qw.bits, cfg.block_tokens), []):
+        programs = max(1, min(steps // 2, -(-per_sm * sms // -(-m // cfg.block_tokens))))
+        out[f"cap_{label}"] = dataclasses.replace(cfg, programs=programs, **changes)
+    return out
+
+
 def transform_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     """The rule's configuration with other launch shapes of the call's transforms: the input
     transform at 1-32 Hadamard blocks a program (``in_b*``), the output transform at 1-16 tokens
@@ -223,6 +254,8 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="also time fragments x grid variants")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
+    ap.add_argument("--cap-variants", action="store_true",
+                    help="also time the rule's kernel built under other register caps (CAP_ARMS)")
     ap.add_argument("--transform-variants", action="store_true",
                     help="also time the call with other launch shapes of its transforms (the input transform's "
                          "blocks a program; the output transform's tokens and warps a program)")
@@ -286,7 +319,8 @@ def main() -> int:
                         return gemm_partials(xq_i, ws[i], c)[0]
                     arms["input_and_gemm"] = (input_and_gemm, len(ws))
                 variants = {**(variant_configs(cfg, ws[0], m) if args.variants else {}),
-                            **(transform_variants(cfg, ws[0], m) if args.transform_variants else {})}
+                            **(transform_variants(cfg, ws[0], m) if args.transform_variants else {}),
+                            **(cap_variants(cfg, ws[0], m) if args.cap_variants else {})}
                 for label, c2 in variants.items():  # each gated against fp64 before it is timed
                     e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
                     point[f"err_{label}"] = e

@@ -5,7 +5,8 @@
     python benchmarks/profile_decode.py --shape down --m 1 --start early --timeline early.json
 
 Runs the chosen path ``--calls`` times on one random weight (the first calls compile).
-``--start early|late`` overrides the register-operand kernel's GEMM start (its rule otherwise).
+``--start early|late`` overrides the register-operand kernel's GEMM start (its rule otherwise);
+``--cap LABEL`` builds it as ``bench_decode_wgmma.py --cap-variants`` does (CAP_ARMS' ``cap_LABEL``).
 ``--timeline FILE`` captures ``--calls`` calls in one CUDA graph, replays it under the torch
 profiler and writes, per call, each kernel's start and end in µs from the call's first kernel
 (where the GEMM begins and ends against the input transform shows what an early start
@@ -62,12 +63,19 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--start", choices=("rule", "early", "late"), default="rule")
     ap.add_argument("--timeline", help="write the calls' kernel timeline (JSON) here")
+    ap.add_argument("--cap", help="the register-cap variant LABEL of bench_decode_wgmma.CAP_ARMS (cap_LABEL)")
     args = ap.parse_args()
     qw = random_qweight(*SHAPES[args.shape], bits=2, seed=0, device="cuda")
     x = torch.randn(args.m, qw.in_features, device="cuda", dtype=torch.bfloat16)
     cfg = decode_wgmma_config(qw, args.m, x.device)
     if args.start != "rule":
         cfg = dataclasses.replace(cfg, early_start=args.start == "early")
+    if args.cap:
+        import os
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_decode_wgmma import cap_variants
+        cfg = cap_variants(cfg, qw, args.m)["cap_" + args.cap]
 
     def run() -> None:
         if args.path == "wgmma":

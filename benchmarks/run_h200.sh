@@ -61,6 +61,11 @@
 # PHASE "variants": the register-operand decode GEMM's variants beside the rule at 1-16 tokens, K=2
 #                  (bench_decode_wgmma.py --variants: the halves codec capped at fewer registers
 #                  for more programs an SM, the exact codec's two fragments, the rule before).
+# PHASE "caps":    the register-operand decode GEMM built under other register caps beside the rule
+#                  (bench_decode_wgmma.py --cap-variants: CAP_ARMS, offline census in
+#                  results/caps_offline/), K=2 at 8-64 tokens on three shapes and K=3 at 32-64 on
+#                  two, then ncu's warp states of the rule's and the 128-register cap's GEMM at
+#                  gate_up, 64 tokens.
 # PHASE "fp8-ab":  a change to decode_fp8 against what it replaces: its and the dispatcher's GPU
 #                  tests, then bench_decode_fp8.py at FP8_MS (default 128-512 tokens) with
 #                  FP8_PREVIOUS (earlier decode_fp8.py files, comma-separated, each saved as
@@ -115,7 +120,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -243,6 +248,18 @@ case "$phase" in
   variants)
     step variants_k2 200 python benchmarks/bench_decode_wgmma.py --out "$out/variants_k2" --ms 1,8,16 \
       --shapes gate_up,down,down_8b --rounds 3 --variants
+    ;;
+  caps)
+    step caps_k2 280 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k2" --ms 8,16,32,64 \
+      --shapes gate_up,down,down_8b --rounds 3 --cap-variants
+    step caps_k3 100 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k3" --ms 32,64 \
+      --shapes gate_up,down --rounds 3 --cap-variants --bits 3
+    for cap in rule c128w4; do
+      step "ncu_gate_up_m64_$cap" 80 ncu --clock-control none -k regex:_decode_wgmma_kernel --launch-skip 6 \
+        --launch-count 1 --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+        --section SpeedOfLight --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python benchmarks/profile_decode.py --shape gate_up --m 64 --calls 8 $([ $cap = rule ] || echo --cap $cap)
+    done
     ;;
   k3)
     step memcheck_k3 120 compute-sanitizer --tool memcheck --error-exitcode 99 python benchmarks/results/k3_cap/sanitize.py

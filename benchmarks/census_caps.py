@@ -1,0 +1,115 @@
+"""The register-operand decode GEMM's builds under ptxas register caps, compiled for sm_90a here
+(no GPU; builds, not timings): what ``bench_decode_wgmma.py --cap-variants`` times (CAP_ARMS).
+
+For each variant of the rule (``decode_wgmma.rule_variant``, K = 2 and 3, 8-64 tokens), the build
+without a cap and with caps from the most registers its programs an SM allow down in steps of 8
+(and the variants of CAP_ARMS that change the ring): registers, stack (spills), shared memory,
+programs an SM (``compile_check.programs_per_sm``), the steady loop's instructions
+(``bench_decode.steady_loop``) and the sum of their control codes' stall counts (bits 41-44 of
+each instruction's second 64-bit word: the cycles the scheduler waits before that warp's next
+instruction, which ptxas sets; a latency-bound loop pays them where no other warp issues).
+
+    python benchmarks/census_caps.py [--out benchmarks/results/caps_offline]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_decode import compile_in_child, sass_instructions, steady_loop_span  # noqa: E402
+from bench_decode_wgmma import CAP_ARMS  # noqa: E402
+
+from escha.kernels.decode_wgmma import PROGRAMS_PER_SM, register_cap, rule_variant  # noqa: E402
+
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from escha.kernels.compile_check import cuobjdump, programs_per_sm, res_usage
+from escha.kernels.decode_wgmma import gemm_source
+
+target = GPUTarget("cuda", 90, 32)
+out = []
+for bits, bn, stages, frags, halves, cap in json.loads(sys.argv[1]):
+    opts = {"num_warps": 4, "launch_pdl": True, **({"maxnreg": cap} if cap else {})}
+    k = triton.compile(gemm_source(bits, bn, stages, frags, halves=halves), target=target, options=opts)
+    r = res_usage(k.asm["cubin"])
+    out.append({"bits": bits, "tokens": bn, "stages": stages, "fragments": frags, "halves": halves, "cap": cap,
+                "registers": r["REG"], "stack": r["STACK"], "shared": k.metadata.shared,
+                "programs_per_sm": programs_per_sm(r["REG"], k.metadata.shared),
+                "sass": cuobjdump(k.asm["cubin"], "-sass")})
+json.dump(out, sys.stdout)
+"""
+
+
+def control_stalls(sass: str) -> list[int]:
+    """The stall count of each instruction of a ``cuobjdump -sass`` listing, in the order of
+    ``sass_instructions``: bits 41-44 of the second word of its 128-bit encoding."""
+    lines = sass.splitlines()
+    out = []
+    for i, ln in enumerate(lines):
+        if re.match(r"^\s*/\*[0-9a-f]+\*/\s+.*?;", ln):
+            hi = int(re.search(r"/\* (0x[0-9a-f]+) \*/", lines[i + 1]).group(1), 16)
+            out.append((hi >> 41) & 0xF)
+    return out
+
+
+def loop_stalls(sass: str) -> tuple[int, int]:
+    """(instructions, summed stall counts) of the steady loop (``steady_loop``)."""
+    first, s0, s1, last = steady_loop_span(sass)
+    stalls = control_stalls(sass)
+    assert len(stalls) == len(sass_instructions(sass)[0])
+    return s0 + 1 - first + last + 1 - s1, sum(stalls[first:s0 + 1]) + sum(stalls[s1:last + 1])
+
+
+def builds() -> list[tuple]:
+    """(K, tokens, stages, fragments, halves, cap) of every build the census compiles."""
+    out = []
+    for (bits, bn), per_sm in sorted(PROGRAMS_PER_SM.items()):
+        if bn > 64:
+            continue
+        _, frags, stages, halves = rule_variant(bn, bits)
+        most = 65536 // (128 * per_sm) // 8 * 8  # the most registers that keep the rule's programs an SM
+        caps = {None, register_cap(bits, bn)} | set(range(most, most - 41, -8))
+        out += [(bits, bn, stages, frags, halves, c) for c in sorted(caps, key=lambda c: -(c or 999))]
+        for _, changes, _ in CAP_ARMS.get((bits, bn), []):
+            if "stages" in changes:
+                out.append((bits, bn, changes["stages"], frags, halves, changes["max_registers"]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "caps_offline"))
+    args = ap.parse_args()
+    rows = compile_in_child(_COMPILE, ROOT, (json.dumps(builds()),), what="the capped builds")
+    for r in rows:
+        r["loop_instructions"], r["loop_stall_cycles"] = loop_stalls(r.pop("sass"))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "caps.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    arms = {(b, n, ch.get("stages", rule_variant(n, b)[2]), ch["max_registers"]): label
+            for (b, n), arm_list in CAP_ARMS.items() for label, ch, _ in arm_list}
+    lines = ["| K | tokens | fragments | halves | stages | cap | registers | stack (bytes) | shared (bytes) | "
+             "programs an SM | loop instructions | loop stall cycles | arm |", "|" + "---|" * 13]
+    for r in rows:
+        key = (r["bits"], r["tokens"], r["stages"], r["cap"])
+        rule = r["cap"] == register_cap(r["bits"], r["tokens"]) and r["stages"] == rule_variant(r["tokens"], r["bits"])[2]
+        arm = "rule" if rule else arms.get(key, "")
+        lines.append(f"| {r['bits']} | {r['tokens']} | {r['fragments']} | {r['halves']} | {r['stages']} | "
+                     f"{r['cap'] or '-'} | {r['registers']} | {r['stack']} | {r['shared']} | {r['programs_per_sm']} | "
+                     f"{r['loop_instructions']} | {r['loop_stall_cycles']} | {arm} |")
+    with open(os.path.join(args.out, "caps.md"), "w") as f:
+        f.write("# The decode GEMM's builds under register caps (sm_90a, offline)\n\n"
+                "`benchmarks/census_caps.py`; \"arm\": the rule's build, or the label of "
+                "`bench_decode_wgmma.py --cap-variants` that times it (CAP_ARMS).\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
