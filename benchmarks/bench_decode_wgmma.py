@@ -142,10 +142,11 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
 #: program an SM more where a cap of 96 builds without spills (with a ring of 2 at 32 tokens).
 CAP_ARMS = {
     (2, 8): [("c96w5", {"max_registers": 96}, 5)],
-    (2, 16): [("c128w4", {"max_registers": 128}, 4), ("c112w4", {"max_registers": 112}, 4)],
+    (2, 16): [(f"c{c}w4", {"max_registers": c}, 4) for c in (128, 124, 120, 116, 112)],
     (2, 32): [("c96w4", {"max_registers": 96}, 4), ("s2c96w5", {"stages": 2, "max_registers": 96}, 5)],
     (2, 64): [("c128w4", {"max_registers": 128}, 4), ("c120w4", {"max_registers": 120}, 4),
               ("c96w5", {"max_registers": 96}, 5)],
+    (3, 16): [(f"c{c}w4", {"max_registers": c}, 4) for c in (128, 124, 120)],
     (3, 32): [("s2c96w5", {"stages": 2, "max_registers": 96}, 5)],
     (3, 64): [("c120w4", {"max_registers": 120}, 4), ("c96w5", {"max_registers": 96}, 5)],
 }

@@ -3,7 +3,7 @@
 
 For each variant of the rule (``decode_wgmma.rule_variant``, K = 2 and 3, 8-64 tokens), the build
 without a cap and with caps from the most registers its programs an SM allow down in steps of 8
-(and the variants of CAP_ARMS that change the ring): registers, stack (spills), shared memory,
+(and every build of CAP_ARMS): registers, stack (spills), shared memory,
 programs an SM (``compile_check.programs_per_sm``), the steady loop's instructions
 (``bench_decode.steady_loop``) and the sum of their control codes' stall counts (bits 41-44 of
 each instruction's second 64-bit word: the cycles the scheduler waits before that warp's next
@@ -78,8 +78,9 @@ def builds() -> list[tuple]:
         caps = {None, register_cap(bits, bn)} | set(range(most, most - 41, -8))
         out += [(bits, bn, stages, frags, halves, c) for c in sorted(caps, key=lambda c: -(c or 999))]
         for _, changes, _ in CAP_ARMS.get((bits, bn), []):
-            if "stages" in changes:
-                out.append((bits, bn, changes["stages"], frags, halves, changes["max_registers"]))
+            build = (bits, bn, changes.get("stages", stages), frags, halves, changes["max_registers"])
+            if build not in out:
+                out.append(build)
     return out
 
 

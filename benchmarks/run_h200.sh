@@ -65,7 +65,8 @@
 #                  (bench_decode_wgmma.py --cap-variants: CAP_ARMS, offline census in
 #                  results/caps_offline/), K=2 at 8-64 tokens on three shapes and K=3 at 32-64 on
 #                  two, then ncu's warp states of the rule's and the 128-register cap's GEMM at
-#                  gate_up, 64 tokens.
+#                  gate_up, 64 tokens (CAPS_MS, CAPS_SHAPES, CAPS_MS_K3, CAPS_SHAPES_K3, CAPS_ROUNDS,
+#                  CAPS_NCU (labels, "rule" for the rule's build) and CAPS_NCU_M change them).
 # PHASE "fp8-ab":  a change to decode_fp8 against what it replaces: its and the dispatcher's GPU
 #                  tests, then bench_decode_fp8.py at FP8_MS (default 128-512 tokens) with
 #                  FP8_PREVIOUS (earlier decode_fp8.py files, comma-separated, each saved as
@@ -250,15 +251,15 @@ case "$phase" in
       --shapes gate_up,down,down_8b --rounds 3 --variants
     ;;
   caps)
-    step caps_k2 280 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k2" --ms 8,16,32,64 \
-      --shapes gate_up,down,down_8b --rounds 3 --cap-variants
-    step caps_k3 100 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k3" --ms 32,64 \
-      --shapes gate_up,down --rounds 3 --cap-variants --bits 3
-    for cap in rule c128w4; do
-      step "ncu_gate_up_m64_$cap" 80 ncu --clock-control none -k regex:_decode_wgmma_kernel --launch-skip 6 \
+    step caps_k2 280 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k2" --ms "${CAPS_MS:-8,16,32,64}" \
+      --shapes "${CAPS_SHAPES:-gate_up,down,down_8b}" --rounds "${CAPS_ROUNDS:-3}" --cap-variants
+    step caps_k3 100 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k3" --ms "${CAPS_MS_K3:-32,64}" \
+      --shapes "${CAPS_SHAPES_K3:-gate_up,down}" --rounds "${CAPS_ROUNDS:-3}" --cap-variants --bits 3
+    for cap in ${CAPS_NCU:-rule c128w4}; do
+      step "ncu_gate_up_m${CAPS_NCU_M:-64}_$cap" 80 ncu --clock-control none -k regex:_decode_wgmma_kernel --launch-skip 6 \
         --launch-count 1 --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
         --section SpeedOfLight --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        python benchmarks/profile_decode.py --shape gate_up --m 64 --calls 8 $([ $cap = rule ] || echo --cap $cap)
+        python benchmarks/profile_decode.py --shape gate_up --m "${CAPS_NCU_M:-64}" --calls 8 $([ $cap = rule ] || echo --cap $cap)
     done
     ;;
   k3)
