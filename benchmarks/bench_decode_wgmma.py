@@ -138,11 +138,12 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
 #: configuration, programs an SM). The programs an SM are those of each sm_90a build under triton
 #: 3.6.0, and none of these builds spills (benchmarks/results/caps_offline/: registers, stack,
 #: shared memory and the loop's SASS census of every cap). Two kinds: the same occupancy as the
-#: rule's build (a cap changes ptxas's schedule even where the build keeps its registers), and one
-#: program an SM more where a cap of 96 builds without spills (with a ring of 2 at 32 tokens).
+#: rule's build (a cap changes ptxas's schedule even where the build keeps its registers; "none":
+#: no cap, where the rule sets one), and one program an SM more where a cap of 96 builds without
+#: spills (with a ring of 2 at 32 tokens). An arm equal to the rule's configuration is left out.
 CAP_ARMS = {
     (2, 8): [("c96w5", {"max_registers": 96}, 5)],
-    (2, 16): [(f"c{c}w4", {"max_registers": c}, 4) for c in (128, 124, 120, 116, 112)],
+    (2, 16): [("none", {"max_registers": None}, 4)] + [(f"c{c}w4", {"max_registers": c}, 4) for c in (128, 124, 120, 116, 112)],
     (2, 32): [("c96w4", {"max_registers": 96}, 4), ("s2c96w5", {"stages": 2, "max_registers": 96}, 5)],
     (2, 64): [("c128w4", {"max_registers": 128}, 4), ("c120w4", {"max_registers": 120}, 4),
               ("c96w5", {"max_registers": 96}, 5)],
@@ -160,7 +161,9 @@ def cap_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     out = {}
     for label, changes, per_sm in CAP_ARMS.get((qw.bits, cfg.block_tokens), []):
         programs = max(1, min(steps // 2, -(-per_sm * sms // -(-m // cfg.block_tokens))))
-        out[f"cap_{label}"] = dataclasses.replace(cfg, programs=programs, **changes)
+        variant = dataclasses.replace(cfg, programs=programs, **changes)
+        if variant != cfg:
+            out[f"cap_{label}"] = variant
     return out
 
 

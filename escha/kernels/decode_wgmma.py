@@ -585,8 +585,10 @@ MEASURED_TRITON = (3, 6)
 PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
                    (3, 8): 5, (3, 16): 4, (3, 32): 4, (3, 64): 4, (3, 128): 2}
 #: ptxas's register cap where the rule sets one, by (K, token block): K=3's 32- and 64-token builds
-#: take 137 and 165 registers uncapped (3 programs an SM) and 128 capped, without spills (4 an SM).
-REGISTER_CAPS = {(3, 32): 128, (3, 64): 128}
+#: take 137 and 165 registers uncapped (3 programs an SM) and 128 capped, without spills (4 an SM);
+#: K=2's 16-token build holds 4 an SM either way, and the cap gives ptxas's schedule fewer
+#: fixed-latency stalls (note at the end of this module).
+REGISTER_CAPS = {(2, 16): 128, (3, 32): 128, (3, 64): 128}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
 
@@ -599,8 +601,8 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     """The rule: tokens padded to a power of two >= 8 (at most 128 per program); at K=2 and 8
     tokens the halves codec with one fragment (64 rows) per program, else two fragments (128
     rows) up to 32 tokens and one above; an activation ring 3 deep, 2 at 64 tokens so that 4
-    programs fit an SM (``rule_variant``), and at K=3 and 32-64 tokens a cap of 128 registers
-    for 4 (``register_cap``); one wave of programs, as many as the SMs
+    programs fit an SM (``rule_variant``), and a cap of 128 registers at K=3 and 32-64 tokens
+    (for 4 an SM) and at K=2 and 16 tokens (a faster schedule) (``register_cap``); one wave of programs, as many as the SMs
     hold at once (PROGRAMS_PER_SM), shared among the token blocks, each program at least
     MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
     GEMM starting early (as the input transform starts). Measured on the H200 (note at the end
@@ -629,10 +631,11 @@ def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
 
 
 def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True,
-                halves: bool = False):
+                halves: bool = False, multiples_of_16: tuple[str, ...] = ()):
     """The GEMM kernel specialized as a launch with these settings specializes it (16-byte
-    aligned partials), for ``triton.compile`` on a machine without a GPU (the tests' and the
-    census's sm_90a builds)."""
+    aligned partials, and the integer arguments named in ``multiples_of_16``, e.g. ("M", "Np"),
+    divisible by 16, as Triton specializes a launch whose values are), for ``triton.compile`` on
+    a machine without a GPU (the tests' and the census's sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"x_desc": f"tensordesc<fp16[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
            "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
@@ -642,7 +645,8 @@ def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: 
     return GluonASTSource(_decode_wgmma_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
                                       "HALVES": halves, "PDL": pdl},
-                          attrs={(2,): [["tt.divisibility", 16]]})
+                          attrs={(list(sig).index(name),): [["tt.divisibility", 16]]
+                                 for name in ("ws_ptr", *multiples_of_16)})
 
 
 @functools.lru_cache(maxsize=4096)
@@ -853,3 +857,13 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # arm timed second, after cuBLAS (docs/KERNELS.md). Hence REGISTER_CAPS: faster than every
 # other arm timed of these builds but two (down: at 32 tokens started late, 1.5% ahead; at 64
 # capped at 168, 2.7% ahead).
+# K=2 at 16 tokens (benchmarks/results/caps_h200/, bench_decode_wgmma --cap-variants, two runs, one
+# process each, µs, whole call): the two-fragment build capped at 128 registers (4 an SM, as
+# uncapped) ran gate_up / down / 8B q/k/v / 8B down at 16 tokens in 35.4 / 22.6 / 15.4 / 26.1
+# against 37.0 / 23.6 / 15.9 / 27.3 (3-4% less; run 1 the same on three shapes), and at 12
+# tokens 35.8 / 22.8 / 15.3 / 26.3 against 36.0 / 22.9 / 15.4 / 26.4. Caps of 112-124 gained less.
+# ncu at gate_up 16 tokens: the same occupancy, "wait" (fixed-latency dependency) stalls 0.73
+# cycles an issued instruction against 1.36, GEMM 33.0 against 34.3 µs. At K=3 and 16 tokens the
+# caps were level (39.8 / 25.0 / 28.9 against 39.6 / 24.8 / 28.8); at 64 tokens (K=2 and 3) caps
+# keeping 4 an SM were level and 96 registers (5 an SM) 7-12% slower; at 32 tokens a ring of 2
+# capped at 96 (84 registers, 5 an SM) within -2% to +1%. Not taken there.
