@@ -863,7 +863,9 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # against 37.0 / 23.6 / 15.9 / 27.3 (3-4% less; run 1 the same on three shapes), and at 12
 # tokens 35.8 / 22.8 / 15.3 / 26.3 against 36.0 / 22.9 / 15.4 / 26.4. Caps of 112-124 gained less.
 # ncu at gate_up 16 tokens: the same occupancy, "wait" (fixed-latency dependency) stalls 0.73
-# cycles an issued instruction against 1.36, GEMM 33.0 against 34.3 µs. At K=3 and 16 tokens the
+# cycles an issued instruction against 1.36, GEMM 33.0 against 34.3 µs: a launch at M = 16 runs
+# Triton's build for M a multiple of 16, whose uncapped loop ptxas schedules with 1504 stall cycles
+# against 1144 capped (1196 / 1190 for other M; benchmarks/census_caps.py). At K=3 and 16 tokens the
 # caps were level (39.8 / 25.0 / 28.9 against 39.6 / 24.8 / 28.8); at 64 tokens (K=2 and 3) caps
-# keeping 4 an SM were level and 96 registers (5 an SM) 7-12% slower; at 32 tokens a ring of 2
-# capped at 96 (84 registers, 5 an SM) within -2% to +1%. Not taken there.
+# keeping 4 an SM were level and 96 registers (5 an SM) 4.5-12% slower; at 32 tokens a ring of 2
+# capped at 96 (84 registers, 5 an SM) within -2% to +2%. Not taken there.
