@@ -78,6 +78,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="gate_up,down,down_8b")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3))
     ap.add_argument("--previous", help="earlier decode_fp8.py files, comma-separated, each timed as an arm fp8@REV")
+    ap.add_argument("--uncapped", action="store_true",
+                    help="also the rule's build without its register cap (arm fp8_uncapped), where the rule sets one")
     args = ap.parse_args()
     previous = {"fp8@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
     log, results = start_run(args.out, "decode_fp8.log", gate_fragments)
@@ -94,6 +96,8 @@ def main() -> int:
                 configs = {"fp8": cfg}
                 if m > 128:  # blocks of 128 (each weight decoded once a block), 3 programs an SM
                     configs["fp8_bn128"] = config_with_block(ws[0], m, 128, torch.device("cuda"))
+                if args.uncapped and cfg.max_registers is not None:  # the same grid, ptxas's own registers
+                    configs["fp8_uncapped"] = dataclasses.replace(cfg, max_registers=None)
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                 arms = {
                     **cublas_arms(xs, dense_rot, fp8_rot),

@@ -67,6 +67,10 @@
 #                  two, then ncu's warp states of the rule's and the 128-register cap's GEMM at
 #                  gate_up, 64 tokens (CAPS_MS, CAPS_SHAPES, CAPS_MS_K3, CAPS_SHAPES_K3, CAPS_ROUNDS,
 #                  CAPS_NCU (labels, "rule" for the rule's build) and CAPS_NCU_M change them).
+# PHASE "fp8-caps": the fp8 decode GEMM's 128-token build without its register cap of 168 beside the
+#                  rule (bench_decode_fp8.py --uncapped: offline, K=2 and 3 build in 164-167
+#                  registers uncapped, 3 programs an SM either way), K=2 at 96 and 128 tokens on
+#                  three shapes, K=3 at 128 on two.
 # PHASE "fp8-ab":  a change to decode_fp8 against what it replaces: its and the dispatcher's GPU
 #                  tests, then bench_decode_fp8.py at FP8_MS (default 128-512 tokens) with
 #                  FP8_PREVIOUS (earlier decode_fp8.py files, comma-separated, each saved as
@@ -121,7 +125,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -249,6 +253,11 @@ case "$phase" in
   variants)
     step variants_k2 200 python benchmarks/bench_decode_wgmma.py --out "$out/variants_k2" --ms 1,8,16 \
       --shapes gate_up,down,down_8b --rounds 3 --variants
+    ;;
+  fp8-caps)
+    step fp8_caps_k2 200 python benchmarks/bench_decode_fp8.py --out "$out/fp8_caps_k2" --rounds 3 --ms 96,128 --uncapped
+    step fp8_caps_k3 120 python benchmarks/bench_decode_fp8.py --out "$out/fp8_caps_k3" --rounds 3 --ms 128 \
+      --shapes gate_up,down --bits 3 --uncapped
     ;;
   caps)
     step caps_k2 280 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k2" --ms "${CAPS_MS:-8,16,32,64}" \
