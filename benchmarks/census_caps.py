@@ -1,8 +1,9 @@
 """The register-operand decode GEMM's builds under ptxas register caps, compiled for sm_90a here
 (no GPU; builds, not timings): what ``bench_decode_wgmma.py --cap-variants`` times (CAP_ARMS).
-Each build twice, as launches specialize it: the weight's padded rows (Np) a multiple of 16 (every
-shape), and the tokens M either not a multiple of 16 or one (16, 32, 48, 64, ...): Triton compiles
-another kernel for the second, and ptxas may schedule it otherwise.
+Each build as launches specialize it: the weight's padded rows (Np) a multiple of 16 (every shape),
+and the tokens M not a multiple of 16 or, in the blocks of 16-64 tokens, a multiple of 16 (16, 32,
+48, 64), and in the 8-token block M = 1 (Triton makes it a constant): each is another kernel,
+which ptxas may schedule otherwise.
 
 For each variant of the rule (``decode_wgmma.rule_variant``, K = 2 and 3, 8-64 tokens), the build
 without a cap and with caps from the most registers its programs an SM allow down in steps of 8
@@ -38,18 +39,23 @@ from escha.kernels.decode_wgmma import gemm_source
 
 target = GPUTarget("cuda", 90, 32)
 out = []
-for (bits, bn, stages, frags, halves, cap), m16 in [(b, m16) for b in json.loads(sys.argv[1]) for m16 in (False, True)]:
+for (bits, bn, stages, frags, halves, cap), m in [(b, m) for b in json.loads(sys.argv[1])
+                                                 for m in (("other", "1") if b[1] == 8 else ("other", "16k"))]:
     opts = {"num_warps": 4, "launch_pdl": True, **({"maxnreg": cap} if cap else {})}
-    src = gemm_source(bits, bn, stages, frags, halves=halves, multiples_of_16=("M", "Np") if m16 else ("Np",))
+    src = gemm_source(bits, bn, stages, frags, halves=halves, multiples_of_16=("M", "Np") if m == "16k" else ("Np",),
+                      one_token=m == "1")
     k = triton.compile(src, target=target, options=opts)
     r = res_usage(k.asm["cubin"])
-    out.append({"bits": bits, "tokens": bn, "m_multiple_of_16": m16, "stages": stages, "fragments": frags,
+    out.append({"bits": bits, "tokens": bn, "m": m, "stages": stages, "fragments": frags,
                 "halves": halves, "cap": cap,
                 "registers": r["REG"], "stack": r["STACK"], "shared": k.metadata.shared,
                 "programs_per_sm": programs_per_sm(r["REG"], k.metadata.shared),
                 "sass": cuobjdump(k.asm["cubin"], "-sass")})
 json.dump(out, sys.stdout)
 """
+
+
+M_LABELS = {"other": "other", "16k": "a multiple of 16", "1": "1 (a constant)"}
 
 
 def control_stalls(sass: str) -> list[int]:
@@ -101,13 +107,13 @@ def main() -> None:
         json.dump(rows, f, indent=1)
     arms = {(b, n, ch.get("stages", rule_variant(n, b)[2]), ch["max_registers"]): label
             for (b, n), arm_list in CAP_ARMS.items() for label, ch, _ in arm_list}
-    lines = ["| K | tokens | M % 16 == 0 | fragments | halves | stages | cap | registers | stack (bytes) | "
+    lines = ["| K | tokens | M | fragments | halves | stages | cap | registers | stack (bytes) | "
              "shared (bytes) | programs an SM | loop instructions | loop stall cycles | arm |", "|" + "---|" * 14]
     for r in rows:
         key = (r["bits"], r["tokens"], r["stages"], r["cap"])
         rule = r["cap"] == register_cap(r["bits"], r["tokens"]) and r["stages"] == rule_variant(r["tokens"], r["bits"])[2]
         arm = "rule" if rule else arms.get(key, "")
-        lines.append(f"| {r['bits']} | {r['tokens']} | {'yes' if r['m_multiple_of_16'] else 'no'} | {r['fragments']} | {r['halves']} | {r['stages']} | "
+        lines.append(f"| {r['bits']} | {r['tokens']} | {M_LABELS[r['m']]} | {r['fragments']} | {r['halves']} | {r['stages']} | "
                      f"{r['cap'] or '-'} | {r['registers']} | {r['stack']} | {r['shared']} | {r['programs_per_sm']} | "
                      f"{r['loop_instructions']} | {r['loop_stall_cycles']} | {arm} |")
     with open(os.path.join(args.out, "caps.md"), "w") as f:

@@ -205,6 +205,11 @@ for (bits, bn), _ in sorted(PROGRAMS_PER_SM.items()):  # the rule's variants, fo
     k = triton.compile(gemm_source(bits, bn, stages, frags, halves=halves), target=target,
                        options={"num_warps": 4, "launch_pdl": True, **cap})
     out[f"res,{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex()]
+    # The other kernel Triton compiles for the block: M a multiple of 16 (16-128), or M = 1 (8).
+    spec = {"one_token": True} if bn == 8 else {"multiples_of_16": ("M", "Np")}
+    k = triton.compile(gemm_source(bits, bn, stages, frags, halves=halves, **spec), target=target,
+                       options={"num_warps": 4, "launch_pdl": True, **cap})
+    out[f"spec,{bits},{bn}"] = [k.metadata.shared, k.asm["cubin"].hex()]
 import dataclasses, torch
 from escha.format import random_qweight
 from escha.kernels.triton_compat import compile_only
@@ -245,7 +250,7 @@ def ptx(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(v if v in ("res", "cap", "halves") else int(v) for v in k.split(",")): p
+    return {tuple(v if v in ("res", "spec", "cap", "halves") else int(v) for v in k.split(",")): p
             for k, p in json.loads(run.stdout).items()}
 
 
@@ -272,6 +277,15 @@ def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn):
         assert dw.PROGRAMS_PER_SM[(bits, bn)] == fits
     else:
         assert dw.PROGRAMS_PER_SM[(bits, bn)] <= fits
+
+
+@pytest.mark.parametrize("bits,bn", sorted(dw.PROGRAMS_PER_SM))
+def test_programs_per_sm_fit_every_launch_of_a_block(ptx, bits, bn):
+    """A launch at M = 1 (the 8-token block) or at M a multiple of 16 (the others) runs another
+    kernel, which Triton specializes on M and ptxas schedules and allocates otherwise (K=2 at 16
+    tokens uncapped: 125 registers instead of 128); the rule's wave must fit it too."""
+    shared, cubin = ptx[("spec", bits, bn)]
+    assert dw.PROGRAMS_PER_SM[(bits, bn)] <= programs_per_sm(res_usage(bytes.fromhex(cubin))["REG"], shared)
 
 
 def _mmas(ptx: str) -> list[tuple[str, str]]:

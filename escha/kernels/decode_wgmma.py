@@ -631,20 +631,21 @@ def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
 
 
 def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True,
-                halves: bool = False, multiples_of_16: tuple[str, ...] = ()):
+                halves: bool = False, multiples_of_16: tuple[str, ...] = (), one_token: bool = False):
     """The GEMM kernel specialized as a launch with these settings specializes it (16-byte
     aligned partials, and the integer arguments named in ``multiples_of_16``, e.g. ("M", "Np"),
-    divisible by 16, as Triton specializes a launch whose values are), for ``triton.compile`` on
-    a machine without a GPU (the tests' and the census's sm_90a builds)."""
+    divisible by 16, as Triton specializes a launch whose values are; with ``one_token`` M is the
+    constant 1, as Triton makes it for a launch at M = 1), for ``triton.compile`` on a machine
+    without a GPU (the tests' and the census's sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {"x_desc": f"tensordesc<fp16[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
            "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
-           "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
+           "M": "constexpr" if one_token else "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr",
            "HALVES": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_wgmma_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
-                                      "HALVES": halves, "PDL": pdl},
+                                      "HALVES": halves, "PDL": pdl, **({"M": 1} if one_token else {})},
                           attrs={(list(sig).index(name),): [["tt.divisibility", 16]]
                                  for name in ("ws_ptr", *multiples_of_16)})
 
