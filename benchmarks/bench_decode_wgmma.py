@@ -31,7 +31,7 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_wgmma import (decode_wgmma, decode_wgmma_config, decoded_fragments,
+from escha.kernels.decode_wgmma import (MIN_STEPS, decode_wgmma, decode_wgmma_config, decoded_fragments,
                                         gemm_partials, mma_order_core, packed_words)
 from escha.kernels.transforms import hadamard_input, hadamard_output, input_blocks_per_program, output_shape
 
@@ -82,6 +82,15 @@ def time_arms(timer: GraphTimer, arms: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def one_wave(qw: QuantizedWeight, m: int, per_sm: int, tokens: int, fragments: int = 1) -> int:
+    """Programs a token block of ``tokens`` takes so that all of m's blocks fill one wave at
+    ``per_sm`` programs an SM, each at least MIN_STEPS k-blocks of ``fragments`` 64-row fragments
+    (the rule's grid, ``decode_wgmma._config``, for another occupancy)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    steps = qw.padded_shape[0] // (64 * fragments) * (qw.padded_shape[1] // 128)
+    return max(1, min(steps // MIN_STEPS, -(-per_sm * sms // -(-m // tokens))))
+
+
 def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     """Configurations beside the rule's, each one wave at the occupancy of its sm_90a build
     (cuobjdump registers and shared memory, offline): at 8-32 tokens the exact codec with one
@@ -94,11 +103,8 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
     3 stages, 4 at 2); where the rule caps the registers (K=3 at 32 and 64 tokens: 128, 4 an SM)
     the uncapped build at 3 an SM; above 128 tokens one token block of 256 (the rule takes blocks
     of 128)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    steps_f1 = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)
-
     def wave(per_sm: int, tokens: int = cfg.block_tokens) -> int:
-        return min(steps_f1 // 2, -(-per_sm * sms // -(-m // tokens)))
+        return one_wave(qw, m, per_sm, tokens)
 
     out = {}
     if cfg.block_tokens <= 32:
@@ -143,7 +149,8 @@ def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
 #: spills (with a ring of 2 at 32 tokens). An arm equal to the rule's configuration is left out.
 CAP_ARMS = {
     (2, 8): [("c96w5", {"max_registers": 96}, 5)],
-    (2, 16): [("none", {"max_registers": None}, 4)] + [(f"c{c}w4", {"max_registers": c}, 4) for c in (128, 124, 120, 116, 112)],
+    (2, 16): [("none", {"max_registers": None}, 4)]
+             + [(f"c{c}w4", {"max_registers": c}, 4) for c in (128, 124, 120, 116, 112)],
     (2, 32): [("c96w4", {"max_registers": 96}, 4), ("s2c96w5", {"stages": 2, "max_registers": 96}, 5)],
     (2, 64): [("c128w4", {"max_registers": 128}, 4), ("c120w4", {"max_registers": 120}, 4),
               ("c96w5", {"max_registers": 96}, 5)],
@@ -156,11 +163,9 @@ CAP_ARMS = {
 def cap_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     """The rule's configuration under the register caps of CAP_ARMS, each one wave at its build's
     programs an SM (``cap_<label>``)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    steps = qw.padded_shape[0] // (64 * cfg.fragments) * (qw.padded_shape[1] // 128)
     out = {}
     for label, changes, per_sm in CAP_ARMS.get((qw.bits, cfg.block_tokens), []):
-        programs = max(1, min(steps // 2, -(-per_sm * sms // -(-m // cfg.block_tokens))))
+        programs = one_wave(qw, m, per_sm, cfg.block_tokens, cfg.fragments)
         variant = dataclasses.replace(cfg, programs=programs, **changes)
         if variant != cfg:
             out[f"cap_{label}"] = variant

@@ -111,11 +111,12 @@ def main() -> None:
              "shared (bytes) | programs an SM | loop instructions | loop stall cycles | arm |", "|" + "---|" * 14]
     for r in rows:
         key = (r["bits"], r["tokens"], r["stages"], r["cap"])
-        rule = r["cap"] == register_cap(r["bits"], r["tokens"]) and r["stages"] == rule_variant(r["tokens"], r["bits"])[2]
+        rule = (r["cap"] == register_cap(r["bits"], r["tokens"])
+                and r["stages"] == rule_variant(r["tokens"], r["bits"])[2])
         arm = "rule" if rule else arms.get(key, "")
-        lines.append(f"| {r['bits']} | {r['tokens']} | {M_LABELS[r['m']]} | {r['fragments']} | {r['halves']} | {r['stages']} | "
-                     f"{r['cap'] or '-'} | {r['registers']} | {r['stack']} | {r['shared']} | {r['programs_per_sm']} | "
-                     f"{r['loop_instructions']} | {r['loop_stall_cycles']} | {arm} |")
+        lines.append(f"| {r['bits']} | {r['tokens']} | {M_LABELS[r['m']]} | {r['fragments']} | {r['halves']} | "
+                     f"{r['stages']} | {r['cap'] or '-'} | {r['registers']} | {r['stack']} | {r['shared']} | "
+                     f"{r['programs_per_sm']} | {r['loop_instructions']} | {r['loop_stall_cycles']} | {arm} |")
     with open(os.path.join(args.out, "caps.md"), "w") as f:
         f.write("# The decode GEMM's builds under register caps (sm_90a, offline)\n\n"
                 "`benchmarks/census_caps.py`; \"arm\": the rule's build, or the label of "

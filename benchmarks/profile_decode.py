@@ -71,10 +71,7 @@ def main() -> None:
     if args.start != "rule":
         cfg = dataclasses.replace(cfg, early_start=args.start == "early")
     if args.cap:
-        import os
-        import sys
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_decode_wgmma import cap_variants
+        from bench_decode_wgmma import cap_variants  # beside this script, on sys.path when it runs
         cfg = cap_variants(cfg, qw, args.m)["cap_" + args.cap]
 
     def run() -> None:
