@@ -11,7 +11,9 @@ without a cap and with caps from the most registers its programs an SM allow dow
 programs an SM (``compile_check.programs_per_sm``), the steady loop's instructions
 (``bench_decode.steady_loop``) and the sum of their control codes' stall counts (bits 41-44 of
 each instruction's second 64-bit word: the cycles the scheduler waits before that warp's next
-instruction, which ptxas sets; a latency-bound loop pays them where no other warp issues).
+instruction, which ptxas sets; a latency-bound loop pays them where no other warp issues). Also
+the fp8 decode GEMM's 128-token build with its cap of 168 and without (``caps_fp8.json``), which
+``bench_decode_fp8.py --uncapped`` times.
 
     python benchmarks/census_caps.py [--out benchmarks/results/caps_offline]
 """
@@ -25,7 +27,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_decode import compile_in_child, sass_instructions, steady_loop_span  # noqa: E402
+from bench_decode import compile_in_child, loop_region, sass_instructions, steady_loop_span  # noqa: E402
 from bench_decode_wgmma import CAP_ARMS  # noqa: E402
 
 from escha.kernels.decode_wgmma import PROGRAMS_PER_SM, register_cap, rule_variant  # noqa: E402
@@ -55,18 +57,48 @@ json.dump(out, sys.stdout)
 """
 
 
+# The fp8 decode GEMM's 128-token build (decode_fp8.BUILDS: capped at 168) with and without its cap,
+# the weight's padded rows a multiple of 16 as every shape's launch has them.
+_COMPILE_FP8 = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from escha.kernels.compile_check import programs_per_sm, res_usage
+from escha.kernels.decode_fp8 import BUILDS, compile_options, gemm_source
+
+out = []
+for bits in (2, 3):
+    for cap in (BUILDS[128][3], None):
+        src = gemm_source(bits, 128)
+        src.attrs = {**src.attrs, (list(src.signature).index("Np"),): [["tt.divisibility", 16]]}
+        opts = {**compile_options(128), "maxnreg": cap}
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={o: v for o, v in opts.items() if v})
+        r = res_usage(k.asm["cubin"])
+        out.append({"bits": bits, "tokens": 128, "cap": cap, "registers": r["REG"], "stack": r["STACK"],
+                    "programs_per_sm": programs_per_sm(r["REG"], k.metadata.shared, 32 * opts["num_warps"]),
+                    "sass": k.asm["sass"]})
+print(json.dumps(out))
+"""
+
+
 M_LABELS = {"other": "other", "16k": "a multiple of 16", "1": "1 (a constant)"}
 
 
 def control_stalls(sass: str) -> list[int]:
-    """The stall count of each instruction of a ``cuobjdump -sass`` listing, in the order of
-    ``sass_instructions``: bits 41-44 of the second word of its 128-bit encoding."""
+    """The stall count of each instruction of a SASS listing, in the order of ``sass_instructions``
+    (either style it reads): in ``cuobjdump -sass``'s, bits 41-44 of the second word of the
+    instruction's 128-bit encoding (the next line); in the Triton handle's ``asm["sass"]``, the last
+    field of the control prefix (``--:-:-:Y:4``, hexadecimal)."""
     lines = sass.splitlines()
     out = []
     for i, ln in enumerate(lines):
         if re.match(r"^\s*/\*[0-9a-f]+\*/\s+.*?;", ln):
             hi = int(re.search(r"/\* (0x[0-9a-f]+) \*/", lines[i + 1]).group(1), 16)
             out.append((hi >> 41) & 0xF)
+        else:
+            m = re.match(r"^\s*[-\w]+:[-\w]+:[-\w]+:[-\w]+:(\w+)\s+.*?;", ln)
+            if m:
+                out.append(int(m.group(1), 16))
     return out
 
 
@@ -78,6 +110,10 @@ def loop_stalls(sass: str) -> tuple[int, int]:
     return s0 + 1 - first + last + 1 - s1, sum(stalls[first:s0 + 1]) + sum(stalls[s1:last + 1])
 
 
+#: Caps earlier runs timed outside the steps of 8 (docs/KERNELS.md, "The cap is the rule's now").
+EARLIER_CAPS = {(3, 64): (168,)}
+
+
 def builds() -> list[tuple]:
     """(K, tokens, stages, fragments, halves, cap) of every build the census compiles."""
     out = []
@@ -86,7 +122,7 @@ def builds() -> list[tuple]:
             continue
         _, frags, stages, halves = rule_variant(bn, bits)
         most = 65536 // (128 * per_sm) // 8 * 8  # the most registers that keep the rule's programs an SM
-        caps = {None, register_cap(bits, bn)} | set(range(most, most - 41, -8))
+        caps = {None, register_cap(bits, bn), *EARLIER_CAPS.get((bits, bn), ())} | set(range(most, most - 41, -8))
         out += [(bits, bn, stages, frags, halves, c) for c in sorted(caps, key=lambda c: -(c or 999))]
         for _, changes, _ in CAP_ARMS.get((bits, bn), []):
             build = (bits, bn, changes.get("stages", stages), frags, halves, changes["max_registers"])
@@ -117,10 +153,26 @@ def main() -> None:
         lines.append(f"| {r['bits']} | {r['tokens']} | {M_LABELS[r['m']]} | {r['fragments']} | {r['halves']} | "
                      f"{r['stages']} | {r['cap'] or '-'} | {r['registers']} | {r['stack']} | {r['shared']} | "
                      f"{r['programs_per_sm']} | {r['loop_instructions']} | {r['loop_stall_cycles']} | {arm} |")
+    fp8 = compile_in_child(_COMPILE_FP8, ROOT, what="the fp8 128-token builds")
+    for r in fp8:
+        sass = r.pop("sass")
+        instrs, _, first, last = loop_region(sass, containing="QGMMA")
+        stalls = control_stalls(sass)
+        assert len(stalls) == len(instrs)
+        r["loop_instructions"], r["loop_stall_cycles"] = last + 1 - first, sum(stalls[first:last + 1])
+    with open(os.path.join(args.out, "caps_fp8.json"), "w") as f:
+        json.dump(fp8, f, indent=1)
+    fp8_lines = ["| K | tokens | cap | registers | stack (bytes) | programs an SM | step-loop instructions | "
+                 "step-loop stall cycles |", "|" + "---|" * 8]
+    fp8_lines += [f"| {r['bits']} | {r['tokens']} | {r['cap'] or '-'} | {r['registers']} | {r['stack']} | "
+                  f"{r['programs_per_sm']} | {r['loop_instructions']} | {r['loop_stall_cycles']} |" for r in fp8]
     with open(os.path.join(args.out, "caps.md"), "w") as f:
         f.write("# The decode GEMM's builds under register caps (sm_90a, offline)\n\n"
                 "`benchmarks/census_caps.py`; \"arm\": the rule's build, or the label of "
-                "`bench_decode_wgmma.py --cap-variants` that times it (CAP_ARMS).\n\n" + "\n".join(lines) + "\n")
+                "`bench_decode_wgmma.py --cap-variants` that times it (CAP_ARMS).\n\n" + "\n".join(lines) + "\n"
+                "\n## The fp8 decode GEMM's 128-token build, with its cap of 168 and without\n\n"
+                "The step loop: the innermost loop around its QGMMA (`bench_decode.loop_region`).\n\n"
+                + "\n".join(fp8_lines) + "\n")
     print("\n".join(lines))
 
 
