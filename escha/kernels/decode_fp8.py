@@ -4,8 +4,7 @@
 
 The register-operand decode kernel's words (``decode_wgmma.pack_words``, here loaded straight into
 registers two steps ahead), even split of (row tile, k-block) steps over one wave of programs, TMA
-ring for the activations and partials for ``transforms.hadamard_output`` (in bf16 here:
-``PARTIALS_DTYPE``); but the decoded
+ring for the activations and fp32 partials for ``transforms.hadamard_output``; but the decoded
 weights are scaled by 64 and rounded to e4m3 (as the dequantize-once core,
 ``dequant.dequantize_core``: |64 T| < 256, a power of two, no saturation), stored to shared memory
 (``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3`` with both operands from shared memory,
@@ -80,11 +79,6 @@ from .transforms import hadamard_output, prepare_input
 from .triton_compat import cta_barrier, tma_async_load
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
-#: The partials' dtype. bf16 halves the bytes the GEMM writes and the output transform reads
-#: (two 256 x 17408 segments of gate_up at 256 tokens: 17.8 MB against 35.7 in fp32). Its rounding
-#: (2**-9 an element) is small beside the fp8 operands' (2**-4): tests/test_decode_fp8.py's bounds.
-#: Measured: note at the end.
-PARTIALS_DTYPE = torch.bfloat16
 
 
 @functools.cache
@@ -133,8 +127,7 @@ def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
 def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.constexpr, ROWS: gl.constexpr,
                 MMA: gl.constexpr):
     """Program p's part of row tile ``tile`` (ROWS rows, accumulator [ROWS, BN] in layout MMA) as
-    its segment of the bf16 partials [segments, M, Np] (``decode_wgmma._store_partials``; rounded
-    to nearest even)."""
+    its segment of the fp32 partials [segments, M, Np] (``decode_wgmma._store_partials``)."""
     seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
     # Np and M through an opaque move: the offsets and the mask are computed here, not hoisted out
     # of the loop into registers held across it (one a stored element: 110 more registers at 128
@@ -144,7 +137,7 @@ def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.
     tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
     rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
     base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
-    gl.store(base + tok[None, :] * Np + rows[:, None], acc.to(gl.bfloat16), mask=tok[None, :] < M - row0)
+    gl.store(base + tok[None, :] * Np + rows[:, None], acc, mask=tok[None, :] < M - row0)
 
 
 @gluon.jit
@@ -167,7 +160,7 @@ def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
-    e4m3(64 T_blk) x'_q^T, written as bf16 partials [segments, M, Np] (``decode_wgmma``'s even
+    e4m3(64 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
     split and output). Each step's words come from global memory into registers two steps ahead,
     its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3 weights
     into one of two shared buffers, and the wgmma reads both operands from shared memory,
@@ -373,7 +366,7 @@ def gemm_source(bits: int, block_tokens: int, pdl: bool = True):
     from triton.experimental.gluon._runtime import GluonASTSource
     stages, wm, wn, _ = BUILDS[block_tokens]
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
-           "words_ptr": "*i32", "ws_ptr": "*bf16",
+           "words_ptr": "*i32", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "WM": "constexpr",
            "WN": "constexpr", "A_SMEM": "constexpr", "PDL": "constexpr"}
@@ -401,7 +394,7 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     the output transform (as ``decode_wgmma``).
 
     Three kernels, programmatic dependents where the device has them: ``transforms.prepare_input``
-    with ``fp8`` (x' * 2**e in e4m3, fp8 MMA column order), the GEMM (bf16 partials), and
+    with ``fp8`` (x' * 2**e in e4m3, fp8 MMA column order), the GEMM (fp32 partials), and
     ``transforms.hadamard_output`` (their sum, Hn, the row scales, 2**-e / 64). Accuracy is the
     fp8 paths' (e4m3 weights and activations).
     """
@@ -431,7 +424,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
 
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM alone: bf16 partials [segments, M, Np] of x'_q (e4m3 [M, Kp], fp8 MMA column
+    """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [M, Kp], fp8 MMA column
     order: ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(64 T), and each 64-row group's count of
     them (``hadamard_output``'s ``segments``; the other partials are left unwritten)."""
     m = xq.shape[0]
@@ -447,7 +440,7 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
     # Built once per grid (device ops inside a graph would be kernels of every replay).
     counts = device_constant(("segments", programs, tiles, nkb, frags), xq.device,
                              lambda: segment_counts(programs, tiles, nkb, frags, xq.device))
-    ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=PARTIALS_DTYPE, device=xq.device)
+    ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
     prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).words, ws, m, np_, nkb, tiles * nkb, programs,

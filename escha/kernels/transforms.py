@@ -296,7 +296,7 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
     wait_for_producer(PDL)
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask & (s < seg), other=0.0).to(tl.float32)
+        z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask & (s < seg), other=0.0)
     # z H in fp32 butterflies (hadamard128): exact +-1 products, 7 fp32 roundings a value.
     h = hadamard128(z) * INV_SQRT_HAD
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
@@ -332,8 +332,7 @@ def output_shape(m: int, np_: int, parallel: bool = True) -> tuple[int, int]:
 def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
                     dependent_launch: bool = False, head_norm: HeadNorm | None = None,
                     segments: torch.Tensor | None = None, shape: tuple[int, int] | None = None) -> torch.Tensor:
-    """Sum split partials z [SPLIT, M, Np] (fp32, or bf16 from the fp8 decode GEMM) in order in
-    fp32, apply Hn, g*c*su, 2**-e; write out [M, out].
+    """Sum split partials z [SPLIT, M, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
 
     ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride.
     ``dependent_launch``: launched as a programmatic dependent of the GEMM that writes z.
