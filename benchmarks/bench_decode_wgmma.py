@@ -1,7 +1,8 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
     python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--bits 2|3]
-        [--shapes gate_up,down] [--variants] [--cap-variants] [--transform-variants] [--breakdown]
+        [--shapes gate_up,down] [--variants] [--cap-variants] [--stage-variants] [--transform-variants]
+        [--breakdown]
         [--previous FILE[,FILE...]]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
@@ -12,7 +13,8 @@ escha/kernels/decode_wgmma.py, e.g. from ``git show REV:...`` saved as decode_wg
 version's rule is one more arm (``wgmma@REV``), gated as the others: a change measured against
 what it replaces in one process. ``--transform-variants`` times the call at other launch shapes of
 its input and output transforms (``transform_variants``), ``--cap-variants`` the rule's kernel built
-under other register caps (``cap_variants``).
+under other register caps (``cap_variants``), ``--stage-variants`` with deeper TMA rings
+(``stage_variants``).
 """
 from __future__ import annotations
 
@@ -172,6 +174,21 @@ def cap_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     return out
 
 
+#: Deeper TMA rings for the rule's variant, by (K, token block): the stages whose sm_90a builds keep
+#: the rule's registers, programs an SM and loop instructions under triton 3.6.0
+#: (benchmarks/results/stages_offline/stages.txt): 5 programs an SM up to 5 stages at 8 tokens, 4
+#: up to 4 stages at 16. ncu puts 6-9% of the warps' samples at 1-16 tokens on the ring's
+#: mbarrier wait (benchmarks/results/sass_h200/).
+STAGE_ARMS = {(2, 8): (4, 5), (3, 8): (4, 5), (2, 16): (4,), (3, 16): (4,)}
+
+
+def stage_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
+    """The rule's configuration with the deeper rings of STAGE_ARMS (``stages<n>``), on the rule's
+    grid (the builds keep its programs an SM)."""
+    return {f"stages{n}": dataclasses.replace(cfg, stages=n)
+            for n in STAGE_ARMS.get((qw.bits, cfg.block_tokens), ()) if n != cfg.stages}
+
+
 def transform_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     """The rule's configuration with other launch shapes of the call's transforms: the input
     transform at 1-32 Hadamard blocks a program (``in_b*``), the output transform at 1-16 tokens
@@ -265,6 +282,8 @@ def main() -> int:
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
     ap.add_argument("--cap-variants", action="store_true",
                     help="also time the rule's kernel built under other register caps (CAP_ARMS)")
+    ap.add_argument("--stage-variants", action="store_true",
+                    help="also time the rule's kernel with deeper TMA rings that keep its programs an SM (STAGE_ARMS)")
     ap.add_argument("--transform-variants", action="store_true",
                     help="also time the call with other launch shapes of its transforms (the input transform's "
                          "blocks a program; the output transform's tokens and warps a program)")
@@ -329,7 +348,8 @@ def main() -> int:
                     arms["input_and_gemm"] = (input_and_gemm, len(ws))
                 variants = {**(variant_configs(cfg, ws[0], m) if args.variants else {}),
                             **(transform_variants(cfg, ws[0], m) if args.transform_variants else {}),
-                            **(cap_variants(cfg, ws[0], m) if args.cap_variants else {})}
+                            **(cap_variants(cfg, ws[0], m) if args.cap_variants else {}),
+                            **(stage_variants(cfg, ws[0], m) if args.stage_variants else {})}
                 for label, c2 in variants.items():  # each gated against fp64 before it is timed
                     e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
                     point[f"err_{label}"] = e
