@@ -280,10 +280,6 @@ def _state_halves(sa, sb):
 FRAGMENT_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 8, 2, 1, 2],
                                                 threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
                                                 warps_per_cta=[4, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0]))
-# A fragment's half along k (columns 16 s + .., s in [0, 4) or [4, 8)): FRAGMENT_LAYOUT with 4 k-steps.
-HALF_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 4, 2, 1, 2],
-                                            threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
-                                            warps_per_cta=[4, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0]))
 WORDS_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 8, 1, 4, 1],
                                              warps_per_cta=[4, 1, 1, 1, 1, 1], order=[5, 3, 1, 4, 2, 0]))
 
@@ -298,17 +294,17 @@ def _grid_dependency(ASM: gl.constexpr):
 
 
 @gluon.jit
-def _row_windows(w, L7: gl.constexpr, S: gl.constexpr = 8):
+def _row_windows(w, L7: gl.constexpr):
     """The 64-bit tile-row windows of a thread from the words ``w`` of a step, over [warp, row
     half, g, 1, h, t] of L7, and the tile column s of each state (e = 0; s + 8 for e = 1) over its
-    dimension 3 (S of them: 8, or 4 for HALF_LAYOUT's first half): what both codecs decode from."""
+    dimension 3: what both codecs decode from."""
     W6: gl.constexpr = gl.SliceLayout(6, L7)
     W5: gl.constexpr = gl.SliceLayout(3, W6)
     hi, lo = gl.split(w)
     hi = gl.expand_dims(gl.convert_layout(hi, W5), 3).to(gl.uint32, bitcast=True)
     lo = gl.expand_dims(gl.convert_layout(lo, W5), 3).to(gl.uint32, bitcast=True)
     v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [4, 2, 8, 1, 2, 4]
-    return v, _iota(S, 3, 6, W6).to(gl.uint64)
+    return v, _iota(8, 3, 6, W6).to(gl.uint64)
 
 
 @gluon.jit
@@ -335,28 +331,6 @@ def _decode_fragment(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.const
         va, vb = _state_values(*_states(v, s, BITS))
     a = gl.reshape(gl.join(va, vb), [64, 128])
     return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
-
-
-@gluon.jit
-def _fragment_half(v, s, BITS: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """The [64, 64] fp16 A operand of k-steps s (4 of them, HALF_LAYOUT) from the row windows v."""
-    if BITS == 2:
-        va, vb = _pair_values(((v << (2 * s)) >> 32).to(gl.uint32))
-    else:
-        va, vb = _state_values(*_states(v, s, BITS))
-    return gl.convert_layout(gl.reshape(gl.join(va, vb), [64, 64]), A_LAYOUT, assert_trivial=True)
-
-
-@gluon.jit
-def _halves_half(v, s, BITS: gl.constexpr, A_LAYOUT: gl.constexpr):
-    """The halves codec's two [64, 64] A operands of k-steps s (HALF_LAYOUT) from the row windows v."""
-    if BITS == 2:
-        a_lo, a_hi, b_lo, b_hi = _pair_halves(((v << (2 * s)) >> 32).to(gl.uint32))
-    else:
-        a_lo, a_hi, b_lo, b_hi = _state_halves(*_states(v, s, BITS))
-    a = gl.convert_layout(gl.reshape(gl.join(a_lo, a_hi), [64, 64]), A_LAYOUT, assert_trivial=True)
-    b = gl.convert_layout(gl.reshape(gl.join(b_lo, b_hi), [64, 64]), A_LAYOUT, assert_trivial=True)
-    return a, b
 
 
 @gluon.jit
@@ -500,18 +474,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         xs = x_smem.index(stage * NX).permute((1, 0))
         mbarrier.wait(bars.index(stage), phase)
         w0 = _fragment_words(w_smem, stage * FRAGS, WL)
-        if HALVES and FRAGS == 1:
-            # The step in two halves along k: the second half decodes while the first one's MMAs run.
-            xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
-            v, s = _row_windows(w0, HALF_LAYOUT, 4)
-            a0, b0 = _halves_half(v, s, BITS, A_LAYOUT)
-            acc0 = warpgroup_mma(a0, xs.slice(0, 64), acc0, use_acc=carry, is_async=True)
-            acc0 = warpgroup_mma(b0, xs1.slice(0, 64), acc0, is_async=True)
-            a1, b1 = _halves_half(v, s + 4, BITS, A_LAYOUT)
-            acc0 = warpgroup_mma(a1, xs.slice(64, 64), acc0, is_async=True)
-            acc0 = warpgroup_mma(b1, xs1.slice(64, 64), acc0, is_async=True)
-            acc0, a0, b0, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0, a1, b1))
-        elif HALVES:
+        if HALVES:
             xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
             a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT)
             acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
@@ -519,24 +482,20 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             # One fragment's operands in registers at a time: two fragments' (128 registers)
             # pushed the build to 231 registers and a hundred more moves a step (offline census).
             acc0, a0, b0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0))
-            a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
-            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
-            acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
-            acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
-        elif FRAGS == 1:
-            # The step in two halves along k: the second half decodes while the first one's MMAs run.
-            v, s = _row_windows(w0, HALF_LAYOUT, 4)
-            a0 = _fragment_half(v, s, BITS, A_LAYOUT)
-            acc0 = warpgroup_mma(a0, xs.slice(0, 64), acc0, use_acc=carry, is_async=True)
-            a1 = _fragment_half(v, s + 4, BITS, A_LAYOUT)
-            acc0 = warpgroup_mma(a1, xs.slice(64, 64), acc0, is_async=True)
-            acc0, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, a1))
+            if FRAGS == 2:
+                a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
+                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
+                acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
+                acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
         else:
             a0 = _decode_fragment(w0, BITS, L7, A_LAYOUT)
             acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
-            a1 = _decode_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
-            acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
-            acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
+            if FRAGS == 2:
+                a1 = _decode_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
+                acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
+                acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, a0, a1))
+            else:
+                acc0, a0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0))
         # Refill the stage this step read (its MMAs have completed) with the step STAGES ahead.
         j = i + STAGES
         mbarrier.expect(bars.index(stage), nbytes, pred=j < n)
