@@ -1,8 +1,8 @@
 """Register-operand decode GEMM on the H200: gates, then timings against cuBLAS and the portable kernel.
 
     python benchmarks/bench_decode_wgmma.py --out DIR [--rounds 5] [--ms 1,8,16,40,64,128,256] [--bits 2|3]
-        [--shapes gate_up,down] [--variants] [--cap-variants] [--stage-variants] [--transform-variants]
-        [--breakdown]
+        [--shapes gate_up,down] [--variants] [--cap-variants] [--stage-variants] [--wave-variants]
+        [--transform-variants] [--breakdown]
         [--previous FILE[,FILE...]]
 
 Gates first (every (shape, M) before its timing): the A fragments bit for bit against the
@@ -14,7 +14,7 @@ version's rule is one more arm (``wgmma@REV``), gated as the others: a change me
 what it replaces in one process. ``--transform-variants`` times the call at other launch shapes of
 its input and output transforms (``transform_variants``), ``--cap-variants`` the rule's kernel built
 under other register caps (``cap_variants``), ``--stage-variants`` with deeper TMA rings
-(``stage_variants``).
+(``stage_variants``), ``--wave-variants`` on a wave short of the build's capacity (``wave_variants``).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_wgmma import (MIN_STEPS, decode_wgmma, decode_wgmma_config, decoded_fragments,
-                                        gemm_partials, mma_order_core, packed_words)
+from escha.kernels.decode_wgmma import (MIN_STEPS, PROGRAMS_PER_SM, decode_wgmma, decode_wgmma_config,
+                                        decoded_fragments, gemm_partials, mma_order_core, packed_words)
 from escha.kernels.transforms import hadamard_input, hadamard_output, input_blocks_per_program, output_shape
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -189,6 +189,24 @@ def stage_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
             for n in STAGE_ARMS.get((qw.bits, cfg.block_tokens), ()) if n != cfg.stages}
 
 
+def wave_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
+    """A wave one program an SM short of the build's capacity (PROGRAMS_PER_SM - 1 an SM, every
+    program the same number of steps), started early (``w<n>``) and late (``w<n>_late``); where the
+    rule caps the registers, the uncapped build at the rule's wave and at the shorter one
+    (``uncapped_w<n>``: at M a multiple of 16 the uncapped K=3 64-token build holds 4 an SM, as
+    the capped one). What they test: whether a wave below the capacity of the kernel launched,
+    with the GEMM launched while the input transform still holds SMs, leaves programs unevenly
+    over the SMs (the SMs free first taking up to the capacity) and so a tail."""
+    per_sm = PROGRAMS_PER_SM[(qw.bits, cfg.block_tokens)]
+    short = one_wave(qw, m, per_sm - 1, cfg.block_tokens, cfg.fragments)
+    out = {f"w{per_sm - 1}": dataclasses.replace(cfg, programs=short),
+           f"w{per_sm - 1}_late": dataclasses.replace(cfg, programs=short, early_start=False)}
+    if cfg.max_registers is not None:
+        out[f"uncapped_w{per_sm}"] = dataclasses.replace(cfg, max_registers=None)
+        out[f"uncapped_w{per_sm - 1}"] = dataclasses.replace(cfg, max_registers=None, programs=short)
+    return out
+
+
 def transform_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     """The rule's configuration with other launch shapes of the call's transforms: the input
     transform at 1-32 Hadamard blocks a program (``in_b*``), the output transform at 1-16 tokens
@@ -282,6 +300,8 @@ def main() -> int:
                     help="also time the call's three kernels each by itself (stream order, no dependent launch)")
     ap.add_argument("--cap-variants", action="store_true",
                     help="also time the rule's kernel built under other register caps (CAP_ARMS)")
+    ap.add_argument("--wave-variants", action="store_true",
+                    help="also time waves one program an SM short of the build's capacity, started early and late")
     ap.add_argument("--stage-variants", action="store_true",
                     help="also time the rule's kernel with deeper TMA rings that keep its programs an SM (STAGE_ARMS)")
     ap.add_argument("--transform-variants", action="store_true",
@@ -349,7 +369,8 @@ def main() -> int:
                 variants = {**(variant_configs(cfg, ws[0], m) if args.variants else {}),
                             **(transform_variants(cfg, ws[0], m) if args.transform_variants else {}),
                             **(cap_variants(cfg, ws[0], m) if args.cap_variants else {}),
-                            **(stage_variants(cfg, ws[0], m) if args.stage_variants else {})}
+                            **(stage_variants(cfg, ws[0], m) if args.stage_variants else {}),
+                            **(wave_variants(cfg, ws[0], m) if args.wave_variants else {})}
                 for label, c2 in variants.items():  # each gated against fp64 before it is timed
                     e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
                     point[f"err_{label}"] = e

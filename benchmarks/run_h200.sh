@@ -125,7 +125,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, stages, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, stages, waves, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -276,6 +276,12 @@ case "$phase" in
       --shapes "${STAGES_SHAPES:-gate_up,down,down_8b,qkv_8b}" --rounds "${STAGES_ROUNDS:-3}" --stage-variants
     step stages_k3 120 python benchmarks/bench_decode_wgmma.py --out "$out/stages_k3" --ms 8,16 \
       --shapes gate_up,down --rounds "${STAGES_ROUNDS:-3}" --stage-variants --bits 3
+    ;;
+  waves)
+    step waves_k2 200 python benchmarks/bench_decode_wgmma.py --out "$out/waves_k2" --ms "${WAVES_MS:-8,16,64}" \
+      --shapes gate_up,down --rounds 3 --wave-variants
+    step waves_k3 120 python benchmarks/bench_decode_wgmma.py --out "$out/waves_k3" --ms 64 \
+      --shapes gate_up,down --rounds 3 --wave-variants --bits 3
     ;;
   k3)
     step memcheck_k3 120 compute-sanitizer --tool memcheck --error-exitcode 99 python benchmarks/results/k3_cap/sanitize.py
