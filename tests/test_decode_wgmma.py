@@ -283,9 +283,17 @@ def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn):
 def test_programs_per_sm_fit_every_launch_of_a_block(ptx, bits, bn):
     """A launch at M = 1 (the 8-token block) or at M a multiple of 16 (the others) runs another
     kernel, which Triton specializes on M and ptxas schedules and allocates otherwise (K=2 at 16
-    tokens uncapped: 125 registers instead of 128); the rule's wave must fit it too."""
+    tokens uncapped: 125 registers instead of 128); the rule's wave must fill it too, exactly
+    under the release measured: a wave one program an SM short of the capacity of the kernel
+    launched, started early, ran 8-21% slower on the H200 than the same wave started late
+    (benchmarks/results/waves_h200/; docs/KERNELS.md, "A wave short of the SMs' capacity")."""
+    from escha.kernels.triton_compat import TRITON_RELEASE
     shared, cubin = ptx[("spec", bits, bn)]
-    assert dw.PROGRAMS_PER_SM[(bits, bn)] <= programs_per_sm(res_usage(bytes.fromhex(cubin))["REG"], shared)
+    fits = programs_per_sm(res_usage(bytes.fromhex(cubin))["REG"], shared)
+    if TRITON_RELEASE == dw.MEASURED_TRITON:
+        assert dw.PROGRAMS_PER_SM[(bits, bn)] == fits
+    else:
+        assert dw.PROGRAMS_PER_SM[(bits, bn)] <= fits
 
 
 def _mmas(ptx: str) -> list[tuple[str, str]]:

@@ -852,8 +852,12 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # gate_up and 30.7 / 35.1 on down at 32 / 64 tokens (bf16 cuBLAS 45.2 / 47.6 and 28.2 / 28.9);
 # capped at 128 registers (no spills) with 4 an SM, 43.3 / 48.7 and 27.8 / 30.0: 9-19% less.
 # Started late the uncapped builds took 43.8 / 50.3 and 27.4 / 30.5 (the cap: -3% to +1.5% against
-# those). Why the uncapped 64-token build loses 10 µs with the early start is not known: capped
-# at 168 (the same SASS but for register numbers, 3 an SM) it took 49.3 / 29.2, started early.
+# those). The uncapped 64-token build's 10 us, started early, were its wave's, not its build's
+# (benchmarks/results/waves_h200/): at M = 64 Triton's kernel for M a multiple of 16 takes 127
+# registers (4 an SM), and a wave of 3 an SM started early loses 16-20% (gate_up / down 60.3 / 34.5
+# us) where the full wave takes the rule's time (48.5 / 29.6); the rule's capped build loses the
+# same on that wave (60.4 / 34.7). Capped at 168 (3 an SM, its wave its capacity) it took 49.3 /
+# 29.2. Hence PROGRAMS_PER_SM is the capacity of every kernel a block's launches compile (tests).
 # Three runs show the loss (loop_h200/, ws_loader/h200_cb854b2/, k3_cap/), each with the rule's
 # arm timed second, after cuBLAS (docs/KERNELS.md). Hence REGISTER_CAPS: faster than every
 # other arm timed of these builds but two (down: at 32 tokens started late, 1.5% ahead; at 64
