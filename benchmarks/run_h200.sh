@@ -125,7 +125,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, stages, waves, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -282,6 +282,10 @@ case "$phase" in
       --shapes gate_up,down --rounds 3 --wave-variants
     step waves_k3 120 python benchmarks/bench_decode_wgmma.py --out "$out/waves_k3" --ms 64 \
       --shapes gate_up,down --rounds 3 --wave-variants --bits 3
+    ;;
+  narrow)  # the rule's early and late starts on narrow shards, where its grid is short of a wave
+    step narrow_k2 200 python benchmarks/bench_decode_wgmma.py --out "$out/narrow_k2" --ms "${NARROW_MS:-1,8,16,32,64}" \
+      --shapes qkv_tp4,o_tp4 --rounds 5
     ;;
   k3)
     step memcheck_k3 120 compute-sanitizer --tool memcheck --error-exitcode 99 python benchmarks/results/k3_cap/sanitize.py
