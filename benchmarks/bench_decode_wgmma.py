@@ -40,10 +40,10 @@ from escha.kernels.transforms import hadamard_input, hadamard_output, input_bloc
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, load_previous, revision, weight_set  # noqa: E402
 
-# The seed shapes, two Llama-3-8B ones, and Qwen3-14B's q/k/v and o at tensor-parallel degree 4 (narrow
-# shards, where the MIN_STEPS floor gives fewer programs than a wave at 1-32 tokens).
+# The seed shapes, two Llama-3-8B ones, and Qwen3-14B's q/k/v and o at tensor-parallel degree 4 and its o at
+# degree 2 (narrow shards, where the rule's grid can fall short of a wave).
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336),
-          "qkv_tp4": (1792, 5120), "o_tp4": (5120, 1280)}
+          "qkv_tp4": (1792, 5120), "o_tp4": (5120, 1280), "o_tp2": (5120, 2560)}
 TOL = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
        torch.float32: 2 * (2.0**-24 + 2.0**-11)}
 

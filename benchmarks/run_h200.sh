@@ -302,11 +302,12 @@ case "$phase" in
     step gpu_tests_wgmma 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_wgmma.py \
       tests/test_decode_fp8.py -k "wgmma or fragment"
     step bench_wgmma 230 python benchmarks/bench_decode_wgmma.py --out "$out/bench_wgmma" --rounds 3 \
-      --ms "${WGMMA_MS:-1,8,16,32,64,128}" --shapes gate_up,down ${WGMMA_PREVIOUS:+--previous "$WGMMA_PREVIOUS"}
+      --ms "${WGMMA_MS:-1,8,16,32,64,128}" --shapes "${WGMMA_SHAPES:-gate_up,down}" \
+      ${WGMMA_PREVIOUS:+--previous "$WGMMA_PREVIOUS"}
     step sanitizer_wgmma 110 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-wgmma \
       ESCHA_SANITIZER_MS=1,7,16,33,64 benchmarks/run_sanitizer.sh "$out/sanitizer_wgmma.txt"
     step bench_wgmma_k3 100 python benchmarks/bench_decode_wgmma.py --out "$out/bench_wgmma_k3" --rounds 3 --bits 3 \
-      --ms 8,16,32,64 --shapes gate_up,down ${WGMMA_PREVIOUS:+--previous "$WGMMA_PREVIOUS"}
+      --ms 8,16,32,64 --shapes "${WGMMA_SHAPES:-gate_up,down}" ${WGMMA_PREVIOUS:+--previous "$WGMMA_PREVIOUS"}
     ;;
   overlap)
     step probe_overlap 300 python benchmarks/probe_dequant_overlap.py --out "$out/dequant_overlap" \
