@@ -589,7 +589,7 @@ PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
 #: K=2's 16-token build holds 4 an SM either way, and the cap gives ptxas's schedule fewer
 #: fixed-latency stalls (note at the end of this module).
 REGISTER_CAPS = {(2, 16): 128, (3, 32): 128, (3, 64): 128}
-MIN_STEPS = 1  # k-blocks a program takes at least (a narrow weight's wave filled with one-step programs)
+MIN_STEPS = 2  # k-blocks a program takes at least
 
 
 def register_cap(bits: int, block_tokens: int) -> int | None:
