@@ -262,33 +262,21 @@ def test_register_cap_reaches_the_compiler(ptx):
     assert regs <= 168 and programs_per_sm(regs, shared) == 3
 
 
+@pytest.mark.parametrize("build", ["res", "spec"])
 @pytest.mark.parametrize("bits,bn", sorted(dw.PROGRAMS_PER_SM))
-def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn):
+def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn, build):
     """The rule's wave (PROGRAMS_PER_SM) is what an sm_90 SM holds of the compiled variant (at
-    its register_cap): 64K
-    registers (allocated 8 a thread at a time, 128 threads a program) and 228 KB of shared
-    memory (1 KB of it reserved a program). A kernel change that costs registers shows here.
-    Exact under the release the rule was measured with; under another, the table may hold fewer
-    programs than fit, never more."""
+    its register_cap): 64K registers (allocated 8 a thread at a time, 128 threads a program) and
+    228 KB of shared memory (1 KB of it reserved a program). A kernel change that costs registers
+    shows here. Both kernels a block's launches compile: M other (``res``), and M = 1 (the 8-token
+    block) or M a multiple of 16 (the others) (``spec``), which Triton specializes on M and ptxas
+    schedules and allocates otherwise (K=2 at 16 tokens uncapped: 125 registers instead of 128).
+    Exact under the release the rule was measured with, because a wave one program an SM short of
+    the capacity of the kernel launched, started early, ran 8-21% slower on the H200 than the
+    same wave started late (benchmarks/results/waves_h200/; docs/KERNELS.md, "A wave short of the
+    SMs' capacity"); under another release the table may hold fewer programs than fit, never more."""
     from escha.kernels.triton_compat import TRITON_RELEASE
-    shared, cubin = ptx[("res", bits, bn)]
-    fits = programs_per_sm(res_usage(bytes.fromhex(cubin))["REG"], shared)
-    if TRITON_RELEASE == dw.MEASURED_TRITON:
-        assert dw.PROGRAMS_PER_SM[(bits, bn)] == fits
-    else:
-        assert dw.PROGRAMS_PER_SM[(bits, bn)] <= fits
-
-
-@pytest.mark.parametrize("bits,bn", sorted(dw.PROGRAMS_PER_SM))
-def test_programs_per_sm_fit_every_launch_of_a_block(ptx, bits, bn):
-    """A launch at M = 1 (the 8-token block) or at M a multiple of 16 (the others) runs another
-    kernel, which Triton specializes on M and ptxas schedules and allocates otherwise (K=2 at 16
-    tokens uncapped: 125 registers instead of 128); the rule's wave must fill it too, exactly
-    under the release measured: a wave one program an SM short of the capacity of the kernel
-    launched, started early, ran 8-21% slower on the H200 than the same wave started late
-    (benchmarks/results/waves_h200/; docs/KERNELS.md, "A wave short of the SMs' capacity")."""
-    from escha.kernels.triton_compat import TRITON_RELEASE
-    shared, cubin = ptx[("spec", bits, bn)]
+    shared, cubin = ptx[(build, bits, bn)]
     fits = programs_per_sm(res_usage(bytes.fromhex(cubin))["REG"], shared)
     if TRITON_RELEASE == dw.MEASURED_TRITON:
         assert dw.PROGRAMS_PER_SM[(bits, bn)] == fits
