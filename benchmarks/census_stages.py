@@ -27,7 +27,8 @@ from escha.kernels.decode_wgmma import gemm_source, register_cap, rule_variant  
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)
     print(f"triton {triton.__version__}, sm_90a")
-    print("| K | tokens | M | fragments | halves | cap | stages | registers | stack | shared | programs an SM | loop instructions |")
+    print("| K | tokens | M | fragments | halves | cap | stages | registers | stack | shared | programs an SM "
+          "| loop instructions |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bits in (2, 3):
         for m in (8, 16, 32, 64):

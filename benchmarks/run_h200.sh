@@ -67,6 +67,15 @@
 #                  two, then ncu's warp states of the rule's and the 128-register cap's GEMM at
 #                  gate_up, 64 tokens (CAPS_MS, CAPS_SHAPES, CAPS_MS_K3, CAPS_SHAPES_K3, CAPS_ROUNDS,
 #                  CAPS_NCU (labels, "rule" for the rule's build) and CAPS_NCU_M change them).
+# PHASE "stages": the register-operand decode GEMM with deeper TMA rings beside the rule
+#                  (bench_decode_wgmma.py --stage-variants: STAGE_ARMS, offline census in
+#                  results/stages_offline/), K=2 at 1-16 tokens on four shapes and K=3 at 8-16 on
+#                  two (STAGES_MS, STAGES_SHAPES, STAGES_ROUNDS change them).
+# PHASE "waves":   the rule's build on a wave one program an SM short of its capacity, started
+#                  early and late (bench_decode_wgmma.py --wave-variants), K=2 at 8-64 tokens
+#                  (WAVES_MS) and K=3 at 64, gate_up and down.
+# PHASE "narrow":  the rule started early and late on narrow tensor-parallel shards (Qwen3-14B's
+#                  q/k/v and o at TP 4), where its grid falls short of a wave, at NARROW_MS.
 # PHASE "fp8-caps": the fp8 decode GEMM's 128-token build without its register cap of 168 beside the
 #                  rule (bench_decode_fp8.py --uncapped: offline, K=2 and 3 build in 164-167
 #                  registers uncapped, 3 programs an SM either way), K=2 at 96 and 128 tokens on
@@ -81,7 +90,7 @@
 #                  WGMMA_MS (default 1-128 tokens, K=2) with WGMMA_PREVIOUS (earlier decode_wgmma.py
 #                  files saved as decode_wgmma_REV.py in an ignored folder the call carries) as
 #                  the arms wgmma@REV, memcheck and racecheck of its builds at 1-64 tokens, then
-#                  K=3 at 8-64 tokens.
+#                  K=3 at 8-64 tokens; both benchmarks on WGMMA_SHAPES (default gate_up,down).
 # PHASE "overlap": benchmarks/probe_dequant_overlap.py: the plain-core dequantize-once path with its
 #                  weight decoded in row chunks on a second stream beside the chunks' GEMMs, against
 #                  the serial path and cuBLAS, at OVERLAP_MS (default 384-2048 tokens).
@@ -283,7 +292,7 @@ case "$phase" in
     step waves_k3 120 python benchmarks/bench_decode_wgmma.py --out "$out/waves_k3" --ms 64 \
       --shapes gate_up,down --rounds 3 --wave-variants --bits 3
     ;;
-  narrow)  # the rule's early and late starts on narrow shards, where its grid is short of a wave
+  narrow)
     step narrow_k2 200 python benchmarks/bench_decode_wgmma.py --out "$out/narrow_k2" --ms "${NARROW_MS:-1,8,16,32,64}" \
       --shapes qkv_tp4,o_tp4 --rounds 5
     ;;

@@ -7,10 +7,10 @@ kind's leading stall reasons, and the instructions that hold the most samples.
 
 A sample is a warp seen at that instruction (issuing or stalled), so a kind's share of the samples
 is its share of the warps' time. Kinds: the mbarrier wait on the TMA ring (the try-wait, the
-branch on its result and the out-of-line retry loop), CTA barriers, the wait for the MMAs (WARPGROUP.DEPBAR), the MMA issue,
-word loads (shared or global), the codec and the other per-thread arithmetic, the uniform
-datapath (descriptors, counters, the refill's bookkeeping), the TMA copies and their fences, the
-tile-end stores, and the rest.
+branch on its result and the out-of-line retry loop), CTA barriers, the wait for the MMAs
+(WARPGROUP.DEPBAR), the MMA issue, word loads (shared or global), the codec and the other
+per-thread arithmetic, the uniform datapath (descriptors, counters, the refill's bookkeeping), the
+TMA copies and their fences, the tile-end stores, and the rest.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import gzip
 import re
 
 
-def kind(op: str, ins: str, writer: str) -> str:
-    """The kind of instruction ``ins`` (opcode ``op``; ``writer`` the opcode that last set the
+def kind(op: str, writer: str) -> str:
+    """The kind of an instruction of opcode ``op`` (``writer``: the opcode that last set the
     predicate it is guarded by). A branch on an mbarrier try-wait's predicate waits for it, so it
     counts as the wait."""
     if op.startswith("SYNCS.PHASECHK") or op == "NANOSLEEP" or (op == "BRA" and writer.startswith("SYNCS.PHASECHK")):
@@ -78,7 +78,7 @@ def main() -> None:
     writers: dict[str, str] = {}  # predicate register -> the opcode that last wrote it (listing order)
     for i, v in zip(ins, vals):
         guard = re.match(r"^@!?(P\d)\s", i)
-        k = kind(opcode(i), i, writers.get(guard.group(1), "") if guard else "")
+        k = kind(opcode(i), writers.get(guard.group(1), "") if guard else "")
         dest = re.match(r"^(?:@!?U?P\w+\s+)?\S+\s+(P\d)\s*,", i)
         if dest:
             writers[dest.group(1)] = opcode(i)

@@ -603,8 +603,8 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     rows) up to 32 tokens and one above; an activation ring 3 deep, 2 at 64 tokens so that 4
     programs fit an SM (``rule_variant``), and a cap of 128 registers at K=3 and 32-64 tokens
     (for 4 an SM) and at K=2 and 16 tokens (a faster schedule) (``register_cap``); one wave of
-    programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the token blocks, each program at least
-    MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
+    programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the token blocks,
+    each program at least MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
     GEMM starting early (as the input transform starts). Measured on the H200 (note at the end
     of this module)."""
     return config_with_programs(qw, m, None, device)
