@@ -10,6 +10,7 @@ as ``census_caps.py``). Which deeper rings keep the rule's programs an SM is wha
 """
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 
@@ -20,13 +21,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_decode import steady_loop  # noqa: E402
 
+from escha.bench.report import git_sha  # noqa: E402
 from escha.kernels.compile_check import programs_per_sm, res_usage  # noqa: E402
 from escha.kernels.decode_wgmma import gemm_source, register_cap, rule_variant  # noqa: E402
 
 
 def main() -> None:
     target = GPUTarget("cuda", 90, 32)
-    print(f"triton {triton.__version__}, sm_90a")
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(f"triton {triton.__version__}, sm_90a, offline (no GPU); git {git_sha()}, {date}")
     print("| K | tokens | M | fragments | halves | cap | stages | registers | stack | shared | programs an SM "
           "| loop instructions |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
