@@ -9,11 +9,14 @@ escha.kernels.splitk that gets the most points exactly, ties broken by the small
 loss. Writes splitk_h200.json.
 
 decode-wgmma (the register-operand kernel): Qwen3-14B's four projection sets at tensor-parallel
-degrees 1, 2 and 4 (12 shapes), each at M in {1, 16, 64, 128} (48 points); grids of 0.5 to 3
-waves (a wave: the programs the SMs hold of the variant, ``decode_wgmma.PROGRAMS_PER_SM``) and
-the whole-tile k-splits of 3 and 6 slices, with the rule's configuration otherwise
-(``decode_wgmma.config_with_programs``). Timing: escha.bench's method. Reported per token block
-class (8-16, 32-64, 128-256 tokens): the rule's (one wave) loss against the best grid, and
+degrees 1, 2 and 4 (12 shapes; ``--family llama3-8b`` adds Llama-3-8B's at 2 and 4, the narrow
+shards), each at M in ``--ms`` (default 1, 16, 64, 128); grids of 0.5 to 3 waves (a wave: the
+programs the SMs hold of the variant, ``decode_wgmma.PROGRAMS_PER_SM``), the whole-tile k-splits
+of 3 and 6 slices, and "fill" (one wave or, if the weight has fewer steps, one step a program:
+no floor of k-blocks a program), with the rule's configuration otherwise
+(``decode_wgmma.config_with_programs``); "rule_late" and "fill_late" are those two grids with the
+GEMM launched as the input transform ends. Timing: escha.bench's method. Reported per token
+block class (8-16, 32-64, 128-256 tokens): the rule's (one wave) loss against the best grid, and
 which grids were best. Writes splitk_wgmma_h200.json. ``--refit FILE`` reports a written table
 again, with no GPU; FILE is the JSON or the sweep's printed log (one line a point).
 """
@@ -29,8 +32,9 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import env_info, graph_of, interleaved, weight_set  # noqa: E402
+from bench_decode import TOL_BF16, env_info, graph_of, interleaved, weight_set  # noqa: E402
 
+from escha import dequantize  # noqa: E402
 from escha.bench.cuda_timing import GraphTimer  # noqa: E402
 from escha.bench.method import Spread, rotation_buffers, round_order  # noqa: E402
 from escha.format import QuantizedWeight, random_qweight  # noqa: E402
@@ -64,6 +68,9 @@ def fit(table: list[dict]) -> dict:
 # Qwen3-14B's projections at TP = 1, 2, 4: [q | k | v] and [gate | up] split by rows, o and down by columns.
 WGMMA_POINTS = [shape for t in (1, 2, 4) for shape in
                 ((7168 // t, 5120), (5120, 5120 // t), (34816 // t, 5120), (5120, 17408 // t))]
+# Llama-3-8B's at TP = 2, 4 (q/k/v 6144 x 4096, o 4096 x 4096, gate/up 28672 x 4096, down 4096 x 14336).
+LLAMA3_8B_POINTS = [shape for t in (2, 4) for shape in
+                    ((6144 // t, 4096), (4096, 4096 // t), (28672 // t, 4096), (4096, 14336 // t))]
 WGMMA_MS = (1, 16, 64, 128)
 WAVES = (0.5, 1, 1.5, 2, 3)  # grids swept: these multiples of one wave (the programs the SMs hold)
 TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
@@ -80,7 +87,20 @@ def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
     wave = PROGRAMS_PER_SM[(qw.bits, rule.block_tokens)] * sms // -(-m // rule.block_tokens)
     grids = {f"w{w:g}": max(1, round(w * wave)) for w in WAVES}
     grids.update({"t3": 3 * tiles, "t6": 6 * tiles, "rule": rule.programs})
-    return {k: v for k, v in grids.items() if v <= steps}
+    grids = {k: v for k, v in grids.items() if v <= steps}
+    if min(steps, wave) != rule.programs:  # the rule's floor of k-blocks a program left the wave short
+        grids["fill"] = min(steps, wave)
+    return grids
+
+
+def wgmma_configs(qw: QuantizedWeight, m: int, grids: dict[str, int]) -> dict:
+    """The configuration of each grid (the rule's start), and the rule's and fill's grids started late."""
+    cfgs = {g: config_with_programs(qw, m, v, torch.device("cuda")) for g, v in grids.items()}
+    for g in ("rule", "fill"):
+        if g in cfgs:
+            cfgs[f"{g}_late"] = replace(cfgs[g], early_start=False)
+            grids[f"{g}_late"] = grids[g]
+    return cfgs
 
 
 def fit_wgmma(table: list[dict]) -> dict:
@@ -105,13 +125,21 @@ def sweep_wgmma(args) -> None:
     info = env_info()
     timer = GraphTimer(replays=10)
     table = []
-    for n, k in WGMMA_POINTS:
+    points = WGMMA_POINTS + (LLAMA3_8B_POINTS if args.family == "llama3-8b" else [])
+    for n, k in points:
         count = max(2, rotation_buffers(info["l2_bytes"], n * k / 2))  # the repacked words: 4 bits a weight
         qws = [random_qweight(n, k, 2, seed=100 + i, device="cuda") for i in range(count)]
-        for m in WGMMA_MS:
+        w_ref = dequantize(qws[0]).double()
+        for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             grids = wgmma_grids(qws[0], m, info["sms"])
-            cfgs = {g: config_with_programs(qws[0], m, v, torch.device("cuda")) for g, v in grids.items()}
+            cfgs = wgmma_configs(qws[0], m, grids)
+            ref = x.double() @ w_ref.T
+            for g, c in cfgs.items():  # every arm gated first: fp64 reference, the decode tolerance
+                y = decode_wgmma(x, qws[0], config=c)
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                if not err < TOL_BF16:
+                    raise SystemExit(f"GATE FAILED: {g} rel err {err:.3e} for {n}x{k} M={m} {c}")
             samplers = {g: timer.build(lambda i, c=c, q=qws: decode_wgmma(x, q[i], config=c), len(qws), g)
                         for g, c in cfgs.items()}
             names = list(samplers)
@@ -120,13 +148,16 @@ def sweep_wgmma(args) -> None:
                 for i in round_order(len(names), r):
                     samples[names[i]].append(samplers[names[i]].sample())
             us = {g: Spread.of(v).median for g, v in samples.items()}
-            p = {"N": n, "K": k, "M": m, "block_tokens": cfgs["rule"].block_tokens, "programs": grids, "us": us,
+            rule = cfgs["rule"]
+            steps = n // (FRAGMENT_ROWS * rule.fragments) * (k // BLOCK_K)
+            p = {"N": n, "K": k, "M": m, "block_tokens": rule.block_tokens, "steps": steps,
+                 "token_blocks": -(-m // rule.block_tokens), "sms": info["sms"], "programs": grids, "us": us,
                  "best": min(us, key=us.get)}
             table.append(p)
             print(f"N={n:6d} K={k:6d} M={m:3d} best={p['best']} "
                   + " ".join(f"{g}({grids[g]})={v:.1f}" for g, v in us.items()), flush=True)
             del samplers
-        del qws
+        del qws, w_ref
         torch.cuda.empty_cache()
     res = fit_wgmma(table)
     with open(f"{args.out}/splitk_wgmma_h200.json", "w") as f:
@@ -162,6 +193,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kernel", choices=("decode", "decode-wgmma"), default="decode")
     ap.add_argument("--refit", metavar="JSON", help="fit a written decode-wgmma table again (no GPU)")
+    ap.add_argument("--ms", type=lambda v: [int(t) for t in v.split(",")], default=list(WGMMA_MS),
+                    help="decode-wgmma: token counts, comma-separated")
+    ap.add_argument("--family", choices=("qwen3-14b", "llama3-8b"), default="qwen3-14b",
+                    help="decode-wgmma: llama3-8b adds Llama-3-8B's shards at TP 2 and 4")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.refit:

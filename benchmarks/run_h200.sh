@@ -41,6 +41,8 @@
 #                  (SWEEP_SHAPES, default the seed's two), then benchmarks/fit_dispatch.py on it;
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py; SWEEP_SPLITK=0
 #                  leaves it out). SWEEP_SECONDS (default 240) limits each shape's step.
+# PHASE "splitk":  the register-operand kernel's split-K sweep alone (fit_splitk.py; SPLITK_MS, default
+#                  1,16,64,128; SPLITK_FAMILY=llama3-8b adds Llama-3-8B's TP 2 and 4 shards; SPLITK_SECONDS).
 # PHASE "e2e":     the prefill benchmark (bench_prefill.py), then end-to-end decode, Qwen3-14B-
 #                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
 #                  escha-unshared, with a profiled step per batch; and one prompt of 512, 2048 and 8192
@@ -231,6 +233,10 @@ case "$phase" in
     step fit_dispatch 30 python benchmarks/fit_dispatch.py "${results[@]}" --out "$out/fit_dispatch.md" \
       --json "$out/fit_dispatch.json"
     [ "${SWEEP_SPLITK:-1}" = 0 ] || step splitk_wgmma 150 python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out"
+    ;;
+  splitk)
+    step splitk_wgmma "${SPLITK_SECONDS:-520}" python benchmarks/fit_splitk.py --kernel decode-wgmma --out "$out" \
+      --ms "${SPLITK_MS:-1,16,64,128}" --family "${SPLITK_FAMILY:-qwen3-14b}"
     ;;
   e2e)
     step prefill 100 python benchmarks/bench_prefill.py --out "$out/prefill"
