@@ -33,17 +33,19 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
-from escha.kernels.decode_wgmma import (MIN_STEPS, PROGRAMS_PER_SM, decode_wgmma, decode_wgmma_config,
-                                        decoded_fragments, gemm_partials, mma_order_core, packed_words)
+from escha.kernels.decode_wgmma import (PROGRAMS_PER_SM, decode_wgmma, decode_wgmma_config, decoded_fragments,
+                                        gemm_partials, grid_programs, mma_order_core, packed_words)
 from escha.kernels.transforms import hadamard_input, hadamard_output, input_blocks_per_program, output_shape
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import env_info, load_previous, revision, weight_set  # noqa: E402
 
-# The seed shapes, two Llama-3-8B ones, and Qwen3-14B's q/k/v and o at tensor-parallel degree 4 and its o at
-# degree 2 (narrow shards, where the rule's grid can fall short of a wave).
+# The seed shapes, two Llama-3-8B ones, and the narrow shards (where two k-blocks a program fall short of a
+# wave): Qwen3-14B's q/k/v and o at tensor-parallel degree 4 and its o at 2, Llama-3-8B's q/k/v and o at 4
+# and its o at 2.
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336),
-          "qkv_tp4": (1792, 5120), "o_tp4": (5120, 1280), "o_tp2": (5120, 2560)}
+          "qkv_tp4": (1792, 5120), "o_tp4": (5120, 1280), "o_tp2": (5120, 2560),
+          "qkv_8b_tp4": (1536, 4096), "o_8b_tp4": (4096, 1024), "o_8b_tp2": (4096, 2048)}
 TOL = {torch.bfloat16: 2 * (2.0**-8 + 2.0**-11), torch.float16: 2 * (2.0**-11 + 2.0**-11),
        torch.float32: 2 * (2.0**-24 + 2.0**-11)}
 
@@ -89,11 +91,11 @@ def time_arms(timer: GraphTimer, arms: dict, rounds: int) -> dict[str, float]:
 
 def one_wave(qw: QuantizedWeight, m: int, per_sm: int, tokens: int, fragments: int = 1) -> int:
     """Programs a token block of ``tokens`` takes so that all of m's blocks fill one wave at
-    ``per_sm`` programs an SM, each at least MIN_STEPS k-blocks of ``fragments`` 64-row fragments
-    (the rule's grid, ``decode_wgmma._config``, for another occupancy)."""
+    ``per_sm`` programs an SM, of ``fragments`` 64-row fragments (the rule's grid,
+    ``decode_wgmma.grid_programs``, for another occupancy)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     steps = qw.padded_shape[0] // (64 * fragments) * (qw.padded_shape[1] // 128)
-    return max(1, min(steps // MIN_STEPS, -(-per_sm * sms // -(-m // tokens))))
+    return grid_programs(steps, per_sm, sms, -(-m // tokens))
 
 
 def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:

@@ -87,15 +87,44 @@ def test_mma_column_order_is_a_permutation_of_whole_tiles_per_thread():
 @pytest.mark.parametrize("shape,m,programs", [((17408, 5120), 1, 660), ((17408, 5120), 64, 528),
                                               ((17408, 5120), 128, 264), ((5120, 8704), 16, 528),
                                               ((4096, 14336), 256, 132), ((4096, 14336), 300, 88),
-                                              ((6144, 4096), 8, 660), ((256, 256), 8, 4), ((256, 256), 16, 2)])
+                                              ((6144, 4096), 8, 660), ((5120, 1280), 64, 400),
+                                              ((1792, 5120), 1, 560)])
 def test_rule_is_one_wave_started_early(shape, m, programs):
     """The H200 runs (module note): one wave of programs, as many as an SM holds of the rule's
     variant times 132 SMs (5 of the halves codec's at 8 tokens, 4 at 16-64, 2 at 128), shared
-    among the token blocks (128 tokens each: three at 300), at least two k-blocks each (a
-    256 x 256 weight has 8 steps of one fragment, 4 of two); the GEMM starts with the input
+    among the token blocks (128 tokens each: three at 300), at least two k-blocks each where
+    that leaves 2.5 programs an SM or more (Qwen3-14B's o at TP 4 and 64 tokens: 800 steps, 400
+    programs; its q/k/v at one token: 1120 steps, 560 programs); the GEMM starts with the input
     transform."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
     assert cfg.programs == programs and cfg.dependent_launch and cfg.early_start
+
+
+@pytest.mark.parametrize("shape,m,programs,early", [((5120, 1280), 16, 400, True), ((1792, 5120), 32, 528, True),
+                                                    ((4096, 2048), 16, 512, True), ((4096, 1024), 8, 512, True),
+                                                    ((4096, 1024), 16, 256, False), ((256, 256), 8, 8, False),
+                                                    ((256, 256), 16, 4, False)])
+def test_rule_fills_the_wave_of_a_narrow_weight(shape, m, programs, early):
+    """benchmarks/results/splitk_fill_h200/ (module note): where two k-blocks a program leave
+    fewer than 2.5 programs an SM, programs of one or two k-blocks fill the wave (Qwen3-14B's o
+    and Llama-3-8B's o at TP 2 and 4 at 16 tokens: 400, 512 and 256 programs, all the steps at
+    400 and 256), and under 2 an SM the GEMM starts as the input transform ends (Llama-3-8B's o
+    at TP 4, 16-32 tokens; a 256 x 256 weight)."""
+    cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
+    assert (cfg.programs, cfg.early_start) == (programs, early)
+
+
+def test_grid_programs_floor_and_fill():
+    """grid_programs keeps two k-blocks a program while they leave 2.5 programs an SM; below,
+    one wave or one program a step; starts_early splits at 2 an SM."""
+    assert dw.grid_programs(10880, 5, 132, 1) == 660  # gate_up at 8 tokens: a wave
+    assert dw.grid_programs(800, 4, 132, 1) == 400  # 3.03 an SM: the floor stays
+    assert dw.grid_programs(560, 4, 132, 1) == 528  # 2.12 an SM under the floor: the wave
+    assert dw.grid_programs(400, 4, 132, 1) == 400  # a step a program
+    assert dw.grid_programs(800, 2, 132, 3) == 88  # three token blocks share the wave
+    assert dw.grid_programs(1, 5, 132, 1) == 1
+    assert dw.starts_early(264, 132, 1) and not dw.starts_early(263, 132, 1)
+    assert dw.starts_early(88, 132, 3)
 
 
 @pytest.mark.parametrize("bits", [2, 3])

@@ -589,12 +589,32 @@ PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
 #: K=2's 16-token build holds 4 an SM either way, and the cap gives ptxas's schedule fewer
 #: fixed-latency stalls (note at the end of this module).
 REGISTER_CAPS = {(2, 16): 128, (3, 32): 128, (3, 64): 128}
-MIN_STEPS = 2  # k-blocks a program takes at least
+MIN_STEPS = 2  # k-blocks a program takes at least, where that leaves FILL_PER_SM programs an SM or more
+FILL_PER_SM = 2.5  # below it (a narrow weight), programs of one or two k-blocks fill the wave instead
+LATE_PER_SM = 2  # below it, the GEMM starts as the input transform ends, not as it starts
 
 
 def register_cap(bits: int, block_tokens: int) -> int | None:
     """The rule's register cap for a K=bits weight's block of ``block_tokens`` (None: ptxas's choice)."""
     return REGISTER_CAPS.get((bits, block_tokens))
+
+
+def grid_programs(steps: int, per_sm: int, sms: int, token_blocks: int) -> int:
+    """The rule's programs per token block for a weight of ``steps`` (row tile, k-block) steps:
+    one wave (``per_sm`` programs on each of ``sms`` SMs, shared among the token blocks), each
+    program at least MIN_STEPS k-blocks; where that floor leaves fewer than FILL_PER_SM programs
+    an SM, the wave (or one program a step) without it."""
+    wave = triton.cdiv(per_sm * sms, token_blocks)
+    programs = max(1, min(steps // MIN_STEPS, wave))
+    if programs * token_blocks < FILL_PER_SM * sms:
+        programs = min(steps, wave)
+    return programs
+
+
+def starts_early(programs: int, sms: int, token_blocks: int) -> bool:
+    """Whether the rule launches the GEMM as the input transform starts (else as it ends): where
+    its grid gives every SM LATE_PER_SM programs or more."""
+    return programs * token_blocks >= LATE_PER_SM * sms
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
@@ -604,16 +624,19 @@ def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None
     programs fit an SM (``rule_variant``), and a cap of 128 registers at K=3 and 32-64 tokens
     (for 4 an SM) and at K=2 and 16 tokens (a faster schedule) (``register_cap``); one wave of
     programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the token blocks,
-    each program at least MIN_STEPS k-blocks; dependent launches wherever the device has them (sm_90 always does), the
-    GEMM starting early (as the input transform starts). Measured on the H200 (note at the end
-    of this module)."""
+    each program at least MIN_STEPS k-blocks unless a narrow weight's grid would then leave the
+    SMs short (``grid_programs``); dependent launches wherever the device has them (sm_90 always
+    does), the GEMM starting early (as the input transform starts) unless its grid gives an SM
+    fewer than two programs (``starts_early``). Measured on the H200 (note at the end of this
+    module)."""
     return config_with_programs(qw, m, None, device)
 
 
 def config_with_programs(qw: QuantizedWeight, m: int, programs: int | None,
                          device: torch.device | None = None) -> DecodeWgmmaConfig:
     """The rule's configuration with ``programs`` programs per token block instead of its own
-    (None: its own), and the start the rule gives that grid: what benchmarks/fit_splitk.py sweeps."""
+    (None: its own), and the start the rule gives that grid (``starts_early``): what
+    benchmarks/fit_splitk.py sweeps."""
     if m < 1:
         raise ValueError(f"need at least one token, got {m}")
     return _config(*qw.padded_shape, qw.bits, m, programs, device)
@@ -662,13 +685,13 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
     steps = tiles * (kp // BLOCK_K)
     token_blocks = triton.cdiv(m, block_tokens)
     if programs is None:  # one wave: every SM busy to the end (note at the end of this module)
-        slots = PROGRAMS_PER_SM.get((bits, block_tokens), 1) * sms
-        programs = max(1, min(steps // MIN_STEPS, triton.cdiv(slots, token_blocks)))
+        programs = grid_programs(steps, PROGRAMS_PER_SM.get((bits, block_tokens), 1), sms, token_blocks)
     elif not 1 <= programs <= steps:
         raise ValueError(f"programs must be 1..{steps} (row tiles x k-blocks), got {programs}")
     return DecodeWgmmaConfig(block_tokens=block_tokens, programs=programs, stages=stages, fragments=fragments,
                              dependent_launch=device is None or dependent_launch_supported(device),
-                             early_start=True, max_registers=register_cap(bits, block_tokens),
+                             early_start=starts_early(programs, sms, token_blocks),
+                             max_registers=register_cap(bits, block_tokens),
                              halves=halves)
 
 
