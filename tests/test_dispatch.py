@@ -120,15 +120,17 @@ def test_resolve_path_on_device(monkeypatch):
 
 def test_wgmma_config_with_other_programs():
     """The grid sweep's configurations (benchmarks/fit_splitk.py): the rule's but for the number
-    of programs, which must leave each at least one step."""
+    of programs, which must leave each at least one step, and the start the rule gives that grid
+    (early from two programs an SM)."""
     from escha.kernels.decode_wgmma import config_with_programs, decode_wgmma_config
     cuda = torch.device("cuda")  # the rule needs no GPU: a device without one counts 132 SMs
     down = QuantizedWeight.placeholder((5120, 8704), 2, device="meta")
     assert config_with_programs(down, 16, None, cuda) == decode_wgmma_config(down, 16, cuda)
     assert decode_wgmma_config(down, 16, cuda).programs == 4 * 132
-    for programs in (1, 132, 2720):
+    for programs in (1, 132, 263, 264, 2720):
         cfg = config_with_programs(down, 16, programs, cuda)
-        assert cfg.programs == programs and cfg.block_tokens == 16 and cfg.fragments == 2 and cfg.early_start
+        assert cfg.programs == programs and cfg.block_tokens == 16 and cfg.fragments == 2
+        assert cfg.early_start == (programs >= 2 * 132)
     with pytest.raises(ValueError, match="programs must be 1..2720"):
         config_with_programs(down, 16, 2721, cuda)
 

@@ -870,6 +870,14 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # (down M=1 25.0 against 37.2 before; M=64 gate_up / down / 8B down 53.3 / 40.9 / 52.9 early
 # against 55.5 / 44.4 / 56.0 late). Hence one wave, started early. benchmarks/fit_splitk.py
 # --kernel decode-wgmma checks the grid over Qwen3-14B's projections at TP 1, 2, 4.
+# Narrow weights (benchmarks/results/splitk_fill_h200/: 20 tensor-parallel shards of Qwen3-14B and
+# Llama-3-8B, 1-64 tokens): the floor of two k-blocks a program leaves some grids short of a wave.
+# Filling the wave (programs of one or two k-blocks) was 5.9-19.9% faster at all 13 points where
+# the floor left under 2.12 programs an SM, and 0.1-7.2% slower at 15 of the 17 where it left
+# 2.91-4.24 (uneven programs, more partials): hence FILL_PER_SM = 2.5. Started late, a grid was
+# faster only under two programs an SM (Llama-3-8B's o at TP 4, 16-32 tokens: 256 programs, 8.2 /
+# 9.1 against 8.6 / 9.9 us): hence LATE_PER_SM. Against the rule before, in one process: 5-24%
+# faster at every point it changed, K = 2 and 3 (o at TP 4, 16 tokens: 9.1 against 10.9 us).
 # K=3 at 32 and 64 tokens (benchmarks/results/k3_cap/h200_d2fb6ec/, whole call, median of 3): the
 # uncapped builds (137 and 165 registers, 3 programs an SM) started early took 51.9 / 60.2 µs on
 # gate_up and 30.7 / 35.1 on down at 32 / 64 tokens (bf16 cuBLAS 45.2 / 47.6 and 28.2 / 28.9);
