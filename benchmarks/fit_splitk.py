@@ -14,8 +14,8 @@ shards), each at M in ``--ms`` (default 1, 16, 64, 128); grids of 0.5 to 3 waves
 programs the SMs hold of the variant, ``decode_wgmma.PROGRAMS_PER_SM``), the whole-tile k-splits
 of 3 and 6 slices, and "fill" (one wave or, if the weight has fewer steps, one step a program:
 no floor of k-blocks a program), with the rule's configuration otherwise
-(``decode_wgmma.config_with_programs``); "rule_late" and "fill_late" are those two grids with the
-GEMM launched as the input transform ends. Timing: escha.bench's method. Reported per token
+(``decode_wgmma.config_with_programs``, which starts the GEMM as the rule would start that grid);
+"rule_late" and "fill_late" (or "_early") are those two grids with the other start. Timing: escha.bench's method. Reported per token
 block class (8-16, 32-64, 128-256 tokens): the rule's (one wave) loss against the best grid, and
 which grids were best. Writes splitk_wgmma_h200.json. ``--refit FILE`` reports a written table
 again, with no GPU; FILE is the JSON or the sweep's printed log (one line a point).
@@ -94,12 +94,14 @@ def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
 
 
 def wgmma_configs(qw: QuantizedWeight, m: int, grids: dict[str, int]) -> dict:
-    """The configuration of each grid (the rule's start), and the rule's and fill's grids started late."""
+    """The configuration of each grid (the start the rule gives it), and the rule's and fill's
+    grids with the other start ("<grid>_late" or "<grid>_early"), added to ``grids`` too."""
     cfgs = {g: config_with_programs(qw, m, v, torch.device("cuda")) for g, v in grids.items()}
     for g in ("rule", "fill"):
         if g in cfgs:
-            cfgs[f"{g}_late"] = replace(cfgs[g], early_start=False)
-            grids[f"{g}_late"] = grids[g]
+            other = f"{g}_{'late' if cfgs[g].early_start else 'early'}"
+            cfgs[other] = replace(cfgs[g], early_start=not cfgs[g].early_start)
+            grids[other] = grids[g]
     return cfgs
 
 

@@ -106,10 +106,11 @@ def test_rule_is_one_wave_started_early(shape, m, programs):
                                                     ((256, 256), 16, 4, False)])
 def test_rule_fills_the_wave_of_a_narrow_weight(shape, m, programs, early):
     """benchmarks/results/splitk_fill_h200/ (module note): where two k-blocks a program leave
-    fewer than 2.5 programs an SM, programs of one or two k-blocks fill the wave (Qwen3-14B's o
-    and Llama-3-8B's o at TP 2 and 4 at 16 tokens: 400, 512 and 256 programs, all the steps at
-    400 and 256), and under 2 an SM the GEMM starts as the input transform ends (Llama-3-8B's o
-    at TP 4, 16-32 tokens; a 256 x 256 weight)."""
+    fewer than 2.5 programs an SM, programs of one or two k-blocks fill the wave: one program a
+    step where the weight has fewer steps than a wave (Qwen3-14B's o at TP 4 and Llama-3-8B's o
+    at TP 2 and 4, 16 tokens: 400, 512 and 256 steps), else the wave (Qwen3-14B's q/k/v at TP 4,
+    32 tokens; Llama-3-8B's o at TP 4, 8 tokens); under 2 an SM the GEMM starts as the input
+    transform ends (Llama-3-8B's o at TP 4, 16 tokens; a 256 x 256 weight: 8 and 4 steps)."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
     assert (cfg.programs, cfg.early_start) == (programs, early)
 
