@@ -10,7 +10,7 @@ loss. Writes splitk_h200.json.
 
 decode-wgmma (the register-operand kernel): Qwen3-14B's four projection sets at tensor-parallel
 degrees 1, 2 and 4 (12 shapes; ``--family llama3-8b`` adds Llama-3-8B's at 2 and 4, the narrow
-shards), each at M in ``--ms`` (default 1, 16, 64, 128); grids of 0.5 to 3 waves (a wave: the
+shards; ``--family tp8`` takes both models' at 8 alone), each at M in ``--ms`` (default 1, 16, 64, 128); grids of 0.5 to 3 waves (a wave: the
 programs the SMs hold of the variant, ``decode_wgmma.PROGRAMS_PER_SM``), the whole-tile k-splits
 of 3 and 6 slices, and "fill" (one wave or, if the weight has fewer steps, one step a program:
 no floor of k-blocks a program), with the rule's configuration otherwise
@@ -71,6 +71,10 @@ WGMMA_POINTS = [shape for t in (1, 2, 4) for shape in
 # Llama-3-8B's at TP = 2, 4 (q/k/v 6144 x 4096, o 4096 x 4096, gate/up 28672 x 4096, down 4096 x 14336).
 LLAMA3_8B_POINTS = [shape for t in (2, 4) for shape in
                     ((6144 // t, 4096), (4096, 4096 // t), (28672 // t, 4096), (4096, 14336 // t))]
+# Both at TP = 8 (their 8 KV heads allow it): narrower than any shard the rule was fitted on.
+TP8_POINTS = [(7168 // 8, 5120), (5120, 5120 // 8), (34816 // 8, 5120), (5120, 17408 // 8),
+              (6144 // 8, 4096), (4096, 4096 // 8), (28672 // 8, 4096), (4096, 14336 // 8)]
+FAMILIES = {"qwen3-14b": WGMMA_POINTS, "llama3-8b": WGMMA_POINTS + LLAMA3_8B_POINTS, "tp8": TP8_POINTS}
 WGMMA_MS = (1, 16, 64, 128)
 WAVES = (0.5, 1, 1.5, 2, 3)  # grids swept: these multiples of one wave (the programs the SMs hold)
 TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
@@ -127,8 +131,7 @@ def sweep_wgmma(args) -> None:
     info = env_info()
     timer = GraphTimer(replays=10)
     table = []
-    points = WGMMA_POINTS + (LLAMA3_8B_POINTS if args.family == "llama3-8b" else [])
-    for n, k in points:
+    for n, k in FAMILIES[args.family]:
         count = max(2, rotation_buffers(info["l2_bytes"], n * k / 2))  # the repacked words: 4 bits a weight
         qws = [random_qweight(n, k, 2, seed=100 + i, device="cuda") for i in range(count)]
         w_ref = dequantize(qws[0]).double()
@@ -197,8 +200,9 @@ def main() -> None:
     ap.add_argument("--refit", metavar="JSON", help="fit a written decode-wgmma table again (no GPU)")
     ap.add_argument("--ms", type=lambda v: [int(t) for t in v.split(",")], default=list(WGMMA_MS),
                     help="decode-wgmma: token counts, comma-separated")
-    ap.add_argument("--family", choices=("qwen3-14b", "llama3-8b"), default="qwen3-14b",
-                    help="decode-wgmma: llama3-8b adds Llama-3-8B's shards at TP 2 and 4")
+    ap.add_argument("--family", choices=tuple(FAMILIES), default="qwen3-14b",
+                    help="decode-wgmma: llama3-8b adds Llama-3-8B's shards at TP 2 and 4; tp8: both models' "
+                         "shards at TP 8 only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.refit:
