@@ -878,6 +878,8 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # faster only under two programs an SM (Llama-3-8B's o at TP 4, 16-32 tokens: 256 programs, 8.2 /
 # 9.1 against 8.6 / 9.9 us): hence LATE_PER_SM. Against the rule before, in one process: 5-24%
 # faster at every point it changed, K = 2 and 3 (o at TP 4, 16 tokens: 9.1 against 10.9 us).
+# Out of sample, at TP 8 (splitk_fill_h200/tp8_0153872/): faster, or within 2%, at 19 of 20 points;
+# the late start lost 7-16% on Llama-3-8B's o (4096 x 512: four k-blocks) at 1-16 tokens.
 # K=3 at 32 and 64 tokens (benchmarks/results/k3_cap/h200_d2fb6ec/, whole call, median of 3): the
 # uncapped builds (137 and 165 registers, 3 programs an SM) started early took 51.9 / 60.2 µs on
 # gate_up and 30.7 / 35.1 on down at 32 / 64 tokens (bf16 cuBLAS 45.2 / 47.6 and 28.2 / 28.9);
