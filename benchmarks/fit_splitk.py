@@ -10,15 +10,17 @@ loss. Writes splitk_h200.json.
 
 decode-wgmma (the register-operand kernel): Qwen3-14B's four projection sets at tensor-parallel
 degrees 1, 2 and 4 (12 shapes; ``--family llama3-8b`` adds Llama-3-8B's at 2 and 4, the narrow
-shards; ``--family tp8`` takes both models' at 8 alone), each at M in ``--ms`` (default 1, 16, 64, 128); grids of 0.5 to 3 waves (a wave: the
-programs the SMs hold of the variant, ``decode_wgmma.PROGRAMS_PER_SM``), the whole-tile k-splits
-of 3 and 6 slices, and "fill" (one wave or, if the weight has fewer steps, one step a program:
-no floor of k-blocks a program), with the rule's configuration otherwise
-(``decode_wgmma.config_with_programs``, which starts the GEMM as the rule would start that grid);
-"rule_late" and "fill_late" (or "_early") are those two grids with the other start. Timing: escha.bench's method. Reported per token
-block class (8-16, 32-64, 128-256 tokens): the rule's (one wave) loss against the best grid, and
-which grids were best. Writes splitk_wgmma_h200.json. ``--refit FILE`` reports a written table
-again, with no GPU; FILE is the JSON or the sweep's printed log (one line a point).
+shards; ``--family tp8`` takes both models' at 8 alone), each at M in ``--ms`` (default 1, 16,
+64, 128); grids of 0.5 to 3 waves (a wave: the programs the SMs hold of the variant,
+``decode_wgmma.PROGRAMS_PER_SM``), the whole-tile k-splits of 3 and 6 slices, and "fill" (one
+wave or, if the weight has fewer steps, one step a program: no floor of k-blocks a program),
+with the rule's configuration otherwise (``decode_wgmma.config_with_programs``, which starts the
+GEMM as the rule would start that grid); "rule_late" and "fill_late" (or "_early") are those two
+grids with the other start. Every arm is gated against fp64 first (``bench_decode_wgmma.gate_gemm``).
+Timing: escha.bench's method. Reported per token block class (8-16, 32-64, 128-256 tokens): the
+rule's (one wave) loss against the best grid, and which grids were best. Writes
+splitk_wgmma_h200.json. ``--refit FILE`` reports a written table again, with no GPU; FILE is the
+JSON or the sweep's printed log (one line a point).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import TOL_BF16, env_info, graph_of, interleaved, weight_set  # noqa: E402
+from bench_decode import env_info, graph_of, interleaved, weight_set  # noqa: E402
+from bench_decode_wgmma import TOL, gate_gemm  # noqa: E402
 
 from escha import dequantize  # noqa: E402
 from escha.bench.cuda_timing import GraphTimer  # noqa: E402
@@ -82,12 +85,12 @@ TOKEN_CLASSES = ((8, 16), (32, 64), (128, 256))
 
 def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
     """The program counts swept at a point: multiples of one wave ("w1" is the rule's choice
-    wherever no other bound applies) and the k-split of whole row tiles in 3 and 6 slices ("t3",
-    "t6": the grids of the kernel before the even split), each within 1..steps."""
+    wherever no other bound applies), the k-split of whole row tiles in 3 and 6 slices ("t3",
+    "t6": the grids of the kernel before the even split), each within 1..steps, and "fill" (the
+    wave, or one program a step, without the rule's floor of k-blocks a program) where the rule's
+    grid is another."""
     rule = decode_wgmma_config(qw, m, torch.device("cuda"))
-    np_, kp = qw.padded_shape
-    tiles = np_ // (FRAGMENT_ROWS * rule.fragments)
-    steps = tiles * (kp // BLOCK_K)
+    tiles, steps = tiles_and_steps(qw, rule.fragments)
     wave = PROGRAMS_PER_SM[(qw.bits, rule.block_tokens)] * sms // -(-m // rule.block_tokens)
     grids = {f"w{w:g}": max(1, round(w * wave)) for w in WAVES}
     grids.update({"t3": 3 * tiles, "t6": 6 * tiles, "rule": rule.programs})
@@ -95,6 +98,13 @@ def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
     if min(steps, wave) != rule.programs:  # the rule's floor of k-blocks a program left the wave short
         grids["fill"] = min(steps, wave)
     return grids
+
+
+def tiles_and_steps(qw: QuantizedWeight, fragments: int) -> tuple[int, int]:
+    """The row tiles of ``fragments`` 64-row fragments, and the (row tile, k-block) steps, of ``qw``."""
+    np_, kp = qw.padded_shape
+    tiles = np_ // (FRAGMENT_ROWS * fragments)
+    return tiles, tiles * (kp // BLOCK_K)
 
 
 def wgmma_configs(qw: QuantizedWeight, m: int, grids: dict[str, int]) -> dict:
@@ -139,11 +149,9 @@ def sweep_wgmma(args) -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             grids = wgmma_grids(qws[0], m, info["sms"])
             cfgs = wgmma_configs(qws[0], m, grids)
-            ref = x.double() @ w_ref.T
             for g, c in cfgs.items():  # every arm gated first: fp64 reference, the decode tolerance
-                y = decode_wgmma(x, qws[0], config=c)
-                err = ((y.double() - ref).norm() / ref.norm()).item()
-                if not err < TOL_BF16:
+                err = gate_gemm(qws[0], w_ref, m, torch.bfloat16, cfg=c)
+                if not err < TOL[torch.bfloat16]:
                     raise SystemExit(f"GATE FAILED: {g} rel err {err:.3e} for {n}x{k} M={m} {c}")
             samplers = {g: timer.build(lambda i, c=c, q=qws: decode_wgmma(x, q[i], config=c), len(qws), g)
                         for g, c in cfgs.items()}
@@ -154,8 +162,8 @@ def sweep_wgmma(args) -> None:
                     samples[names[i]].append(samplers[names[i]].sample())
             us = {g: Spread.of(v).median for g, v in samples.items()}
             rule = cfgs["rule"]
-            steps = n // (FRAGMENT_ROWS * rule.fragments) * (k // BLOCK_K)
-            p = {"N": n, "K": k, "M": m, "block_tokens": rule.block_tokens, "steps": steps,
+            p = {"N": n, "K": k, "M": m, "block_tokens": rule.block_tokens,
+                 "steps": tiles_and_steps(qws[0], rule.fragments)[1],
                  "token_blocks": -(-m // rule.block_tokens), "sms": info["sms"], "programs": grids, "us": us,
                  "best": min(us, key=us.get)}
             table.append(p)

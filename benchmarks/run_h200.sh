@@ -42,8 +42,8 @@
 #                  then the register-operand kernel's split-K sweep and fit (fit_splitk.py; SWEEP_SPLITK=0
 #                  leaves it out). SWEEP_SECONDS (default 240) limits each shape's step.
 # PHASE "splitk":  the register-operand kernel's split-K sweep alone (fit_splitk.py; SPLITK_MS, default
-#                  1,16,64,128; SPLITK_FAMILY=llama3-8b adds Llama-3-8B's TP 2 and 4 shards, tp8 takes both models' TP 8
-#                  shards alone; SPLITK_SECONDS).
+#                  1,16,64,128; SPLITK_FAMILY=llama3-8b adds Llama-3-8B's TP 2 and 4 shards, tp8
+#                  takes both models' TP 8 shards alone; SPLITK_SECONDS).
 # PHASE "e2e":     the prefill benchmark (bench_prefill.py), then end-to-end decode, Qwen3-14B-
 #                  shaped: bf16, escha (q/k/v and gate/up as one product each, norms folded) and
 #                  escha-unshared, with a profiled step per batch; and one prompt of 512, 2048 and 8192
