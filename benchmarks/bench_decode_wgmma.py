@@ -213,65 +213,6 @@ def wave_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     return out
 
 
-def build_capacity(qw: QuantizedWeight, m: int, cfg) -> tuple[int, int, int]:
-    """(programs an SM, registers, shared bytes) of the GEMM build ``cfg`` launches at m tokens:
-    compiled by one launch, its occupancy from its registers (allocated 256 a warp) and shared
-    memory (1 KB a CTA reserved, 228 KB an SM), four warps a program."""
-    from escha.kernels.decode_wgmma import _gemm, _packed
-    x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
-    xq, _ = hadamard_input(x, qw, mma_order=True, halves=cfg.halves)
-    _, _, prep = _gemm(xq, qw, dataclasses.replace(cfg, programs=1, dependent_launch=False, early_start=False),
-                       _packed(qw), keep=True)
-    k = prep.compiled
-    regs, smem = k.n_regs, k.metadata.shared
-    by_regs = 65536 // (4 * (-(-regs * 32 // 256) * 256))
-    by_smem = (228 * 1024) // (smem + 1024)
-    return min(by_regs, by_smem, 16), regs, smem
-
-
-def sync_variants(cfg, qw: QuantizedWeight, m: int, log=print) -> dict:
-    """The GEMM with per-warp ``mma.sync`` instead of ``wgmma`` (``mma_sync``): the rule's variant,
-    the exact codec with one fragment, the halves codec with one fragment (its second chain in
-    its own accumulator too), each one wave at its build's measured capacity, started early."""
-    cands = {"sync_rule": dataclasses.replace(cfg, mma_sync=True, max_registers=None)}
-    if cfg.block_tokens <= 64:
-        cands["sync_f1"] = dataclasses.replace(cfg, mma_sync=True, halves=False, fragments=1, stages=3,
-                                               max_registers=None)
-    if cfg.block_tokens <= 16:
-        cands["sync_h1"] = dataclasses.replace(cfg, mma_sync=True, halves=True, fragments=1, stages=3,
-                                               max_registers=None)
-        cands["sync_h1c2"] = dataclasses.replace(cands["sync_h1"], chains=2)
-    out = {}
-    seen = set()
-    for label, c in cands.items():
-        key = dataclasses.replace(c, programs=0)
-        if key in seen:
-            continue
-        seen.add(key)
-        per_sm, regs, smem = build_capacity(qw, m, c)
-        log(f"  {label}: {regs} registers, {smem} B shared, {per_sm} programs an SM")
-        out[label] = dataclasses.replace(c, programs=one_wave(qw, m, per_sm, c.block_tokens, c.fragments),
-                                         dependent_launch=True, early_start=True)
-    return out
-
-
-def mix_variants(cfg, qw: QuantizedWeight, m: int, log=print) -> dict:
-    """Where the rule takes the halves codec at K=2: the first state of each pair by a shift (ALU
-    pipe) in tile half 1 (``mix1``: the FMA and ALU pipes' shares even) or everywhere (``mix2``)
-    instead of mul.hi (FMA pipe); the same registers, on the rule's grid; and the mma.sync
-    build (two chains) with ``mix1`` at its capacity (``sync_mix1``)."""
-    if not (cfg.halves and qw.bits == 2):
-        return {}
-    cands = {f"mix{k}": dataclasses.replace(cfg, pair_mix=k) for k in (1, 2)}
-    cands["sync_mix1"] = dataclasses.replace(cfg, mma_sync=True, chains=2, pair_mix=1)
-    out = {}
-    for label, c in cands.items():  # each one wave at its build's capacity
-        per_sm, regs, smem = build_capacity(qw, m, c)
-        log(f"  {label}: {regs} registers, {smem} B shared, {per_sm} programs an SM")
-        out[label] = dataclasses.replace(c, programs=one_wave(qw, m, per_sm, c.block_tokens, c.fragments))
-    return out
-
-
 def transform_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     """The rule's configuration with other launch shapes of the call's transforms: the input
     transform at 1-32 Hadamard blocks a program (``in_b*``), the output transform at 1-16 tokens
@@ -372,10 +313,6 @@ def main() -> int:
     ap.add_argument("--transform-variants", action="store_true",
                     help="also time the call with other launch shapes of its transforms (the input transform's "
                          "blocks a program; the output transform's tokens and warps a program)")
-    ap.add_argument("--sync-variants", action="store_true",
-                    help="also time the GEMM with per-warp mma.sync instead of wgmma (sync_variants)")
-    ap.add_argument("--mix-variants", action="store_true",
-                    help="also time the halves codec with its first state by a shift on half or all pairs (mix_variants)")
     ap.add_argument("--previous", help="earlier decode_wgmma.py files, comma-separated, each timed as an arm wgmma@REV")
     args = ap.parse_args()
     previous = {"wgmma@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
@@ -439,9 +376,7 @@ def main() -> int:
                             **(transform_variants(cfg, ws[0], m) if args.transform_variants else {}),
                             **(cap_variants(cfg, ws[0], m) if args.cap_variants else {}),
                             **(stage_variants(cfg, ws[0], m) if args.stage_variants else {}),
-                            **(wave_variants(cfg, ws[0], m) if args.wave_variants else {}),
-                            **(sync_variants(cfg, ws[0], m, log) if args.sync_variants else {}),
-                            **(mix_variants(cfg, ws[0], m, log) if args.mix_variants else {})}
+                            **(wave_variants(cfg, ws[0], m) if args.wave_variants else {})}
                 for label, c2 in variants.items():  # each gated against fp64 before it is timed
                     e = gate_gemm(ws[0], w_ref, m, torch.bfloat16, cfg=c2)
                     point[f"err_{label}"] = e

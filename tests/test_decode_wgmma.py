@@ -476,13 +476,8 @@ def test_gemm_variants_within_tolerance(m, bits):
     steps = qw.padded_shape[0] // 64 * (qw.padded_shape[1] // 128)  # one fragment a program
     if cfg.block_tokens > 32:
         pytest.skip("one codec above 32 tokens: test_gemm_within_tolerance")
-    variants = [dataclasses.replace(cfg, halves=h, fragments=f, programs=p, mma_sync=s)
-                for h in (False, True) for f in (1, 2) for p in (cfg.programs, steps // f) for s in (False, True)]
-    variants += [dataclasses.replace(cfg, halves=True, fragments=1, programs=p, mma_sync=True, chains=2)
-                 for p in (cfg.programs, steps)]
-    if bits == 2:
-        variants += [dataclasses.replace(cfg, halves=True, fragments=f, programs=cfg.programs, pair_mix=k, mma_sync=s)
-                     for f in (1, 2) for k in (1, 2) for s in (False, True)]
+    variants = [dataclasses.replace(cfg, halves=h, fragments=f, programs=p)
+                for h in (False, True) for f in (1, 2) for p in (cfg.programs, steps // f)]
     for c in variants:
         out = torch.full((m, 300), float("nan"), device="cuda", dtype=torch.bfloat16)
         y = dw.decode_wgmma(x, qw, config=c, out=out)

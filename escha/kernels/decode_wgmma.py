@@ -48,7 +48,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                                warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -184,15 +183,6 @@ def _axis_layout(parent, rank, axis):
     return layout
 
 
-@gluon.constexpr_function
-def _mma_layout(sync, block_tokens):
-    """The accumulator's layout: per-warp ``mma.sync`` m16n8k16 tiles (version 2) with ``sync``,
-    else the warpgroup's ``wgmma`` m64nNk16 (version 3); four warps along the weight rows."""
-    if sync:
-        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_tokens, 16])
-
-
 @gluon.jit
 def _iota(N: gl.constexpr, AXIS: gl.constexpr, RANK: gl.constexpr, PARENT: gl.constexpr):
     """arange(N) along AXIS of a RANK-d tensor in layout PARENT (size 1 on the other axes)."""
@@ -216,7 +206,7 @@ _ASSEMBLE = """
         }"""
 _PAIR_VALUES_ASM = gl.constexpr("""{
         .reg .b32 sa, xa, xb, lo, hi, v;
-        mul.hi.u32 sa, $2, 65536;
+        shr.u32 sa, $2, 16;
         mad.lo.u32 xa, sa, 89226354, 64248484;
         mad.lo.u32 xb, $2, 89226354, 1584945828;
         mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _ASSEMBLE)
@@ -233,8 +223,9 @@ def _pair_values(t):
     t's high half is the state of column c and its low half the state of column c + 8. The
     second state's LCG value is derived with mads on the FMA pipe instead of extracting it:
     t*MUL + ADD*(1 + 2**16) - (x_a << 16) = s_b*MUL + ADD (mod 2**32). The first state is
-    mul.hi(t, 2**16) (FMA pipe too). Then the mask/xor (lop3), two prmt that gather the low and
-    the high halves of both values, and one add.f16x2.
+    t >> 16, a shift on the ALU pipe: taken as mul.hi(t, 2**16) on the FMA pipe instead, the
+    calls were 7-14% slower (docs/KERNELS.md, "The first state by a shift"). Then the mask/xor
+    (lop3), two prmt that gather the low and the high halves of both values, and one add.f16x2.
     """
     return gl.inline_asm_elementwise(_PAIR_VALUES_ASM, "=h,=h,r", [t], dtype=(gl.float16, gl.float16), is_pure=True,
                                      pack=1)
@@ -259,7 +250,7 @@ _HALVES_TAIL = """
         }"""
 _PAIR_HALVES_ASM = gl.constexpr("""{
         .reg .b32 sa, xa, xb;
-        mul.hi.u32 sa, $4, 65536;
+        shr.u32 sa, $4, 16;
         mad.lo.u32 xa, sa, 89226354, 64248484;
         mad.lo.u32 xb, $4, 89226354, 1584945828;
         mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _HALVES_TAIL)
@@ -267,21 +258,6 @@ _STATE_HALVES_ASM = gl.constexpr("""{
         .reg .b32 xa, xb;
         mad.lo.u32 xa, $4, 89226354, 64248484;
         mad.lo.u32 xb, $5, 89226354, 64248484;""" + _HALVES_TAIL)
-
-
-_PAIR_HALVES_SHR_ASM = gl.constexpr("""{
-        .reg .b32 sa, xa, xb;
-        shr.u32 sa, $4, 16;
-        mad.lo.u32 xa, sa, 89226354, 64248484;
-        mad.lo.u32 xb, $4, 89226354, 1584945828;
-        mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _HALVES_TAIL)
-
-
-@gluon.jit
-def _pair_halves_shr(t):
-    """``_pair_halves`` with the first state taken by a shift (ALU pipe) instead of mul.hi (FMA pipe)."""
-    return gl.inline_asm_elementwise(_PAIR_HALVES_SHR_ASM, "=h,=h,=h,=h,r", [t], dtype=(gl.float16,) * 4,
-                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -383,35 +359,22 @@ def _next_step(tile, kb, NKB):
 
 
 @gluon.jit
-def _halves(w, BITS: gl.constexpr, L7: gl.constexpr, MIX: gl.constexpr = 0):
+def _halves(w, BITS: gl.constexpr, L7: gl.constexpr):
     """The halves of a fragment's weights from the words ``w`` of a step, over [warp, row half, g,
-    s, h, t]: (a_lo, a_hi) of tile column s and (b_lo, b_hi) of column s + 8. K=2's first state by
-    mul.hi (MIX 0), by a shift (MIX 2), or by mul.hi in tile half 0 and a shift in tile half 1
-    (MIX 1: the FMA and ALU pipes' shares even)."""
+    s, h, t]: (a_lo, a_hi) of tile column s and (b_lo, b_hi) of column s + 8."""
     v, s = _row_windows(w, L7)
     if BITS == 2:
         t = ((v << (2 * s)) >> 32).to(gl.uint32)
-        if MIX == 0:
-            return _pair_halves(t)
-        elif MIX == 2:
-            return _pair_halves_shr(t)
-        else:
-            t0, t1 = gl.split(gl.permute(t, [0, 1, 2, 3, 5, 4]))
-            a_lo0, a_hi0, b_lo0, b_hi0 = _pair_halves(t0)
-            a_lo1, a_hi1, b_lo1, b_hi1 = _pair_halves_shr(t1)
-            return (gl.permute(gl.join(a_lo0, a_lo1), [0, 1, 2, 3, 5, 4]),
-                    gl.permute(gl.join(a_hi0, a_hi1), [0, 1, 2, 3, 5, 4]),
-                    gl.permute(gl.join(b_lo0, b_lo1), [0, 1, 2, 3, 5, 4]),
-                    gl.permute(gl.join(b_hi0, b_hi1), [0, 1, 2, 3, 5, 4]))
+        return _pair_halves(t)
     else:
         return _state_halves(*_states(v, s, BITS))
 
 
 @gluon.jit
-def _decode_halves(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr, MIX: gl.constexpr = 0):
+def _decode_halves(w, BITS: gl.constexpr, L7: gl.constexpr, A_LAYOUT: gl.constexpr):
     """The two [64, 128] fp16 A operands of the halves codec: columns s (and s + 8) of each tile
     row, each register pair (e = 0, 1) the (lo, hi) halves of one weight."""
-    a_lo, a_hi, b_lo, b_hi = _halves(w, BITS, L7, MIX)
+    a_lo, a_hi, b_lo, b_hi = _halves(w, BITS, L7)
     a = gl.convert_layout(gl.reshape(gl.join(a_lo, a_hi), [64, 128]), A_LAYOUT, assert_trivial=True)
     b = gl.convert_layout(gl.reshape(gl.join(b_lo, b_hi), [64, 128]), A_LAYOUT, assert_trivial=True)
     return a, b
@@ -438,8 +401,7 @@ def _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, ro
 @gluon.jit
 def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                          BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FRAGS: gl.constexpr,
-                         HALVES: gl.constexpr, PDL: gl.constexpr, SYNC: gl.constexpr,
-                         CHAINS: gl.constexpr = 1, MIX: gl.constexpr = 0):
+                         HALVES: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's STEPS = row tiles x NKB steps (flat index tile * NKB + k-block; a tile is 64
     FRAGS weight rows), each z^T[64 FRAGS rows, BN tokens] += T_blk x'^T_blk.
@@ -468,9 +430,8 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
     s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)  # int64: p * STEPS can pass 2**31
     n = (((p + 1).to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32) - s0
 
-    MMA: gl.constexpr = _mma_layout(SYNC, BN)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     L7: gl.constexpr = FRAGMENT_LAYOUT
     WL: gl.constexpr = WORDS_LAYOUT
 
@@ -514,39 +475,16 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
         xs = x_smem.index(stage * NX).permute((1, 0))
         mbarrier.wait(bars.index(stage), phase)
         w0 = _fragment_words(w_smem, stage * FRAGS, WL)
-        if SYNC:
-            # Per-warp mma.sync: x' from shared memory into registers (every warp loads the whole
-            # tile), no warpgroup fence or wait; a tile part's first step starts from zero.
-            acc0 = gl.where(carry, acc0, 0.0)
-            acc1 = gl.where(carry, acc1, 0.0)
-            xb = xs.load(B_LAYOUT)
-            if HALVES:
-                xb1 = x_smem.index(stage * NX + 1).permute((1, 0)).load(B_LAYOUT)
-                a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT, MIX)
-                acc0 = mma_v2(a0, xb, acc0)
-                if CHAINS == 2:  # one fragment: its second MMA chain in the other accumulator
-                    acc1 = mma_v2(b0, xb1, acc1)
-                else:
-                    acc0 = mma_v2(b0, xb1, acc0)
-                if FRAGS == 2:
-                    a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT, MIX)
-                    acc1 = mma_v2(a1, xb, acc1)
-                    acc1 = mma_v2(b1, xb1, acc1)
-            else:
-                acc0 = mma_v2(_decode_fragment(w0, BITS, L7, A_LAYOUT), xb, acc0)
-                if FRAGS == 2:
-                    a1 = _decode_fragment(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
-                    acc1 = mma_v2(a1, xb, acc1)
-        elif HALVES:
+        if HALVES:
             xs1 = x_smem.index(stage * NX + 1).permute((1, 0))
-            a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT, MIX)
+            a0, b0 = _decode_halves(w0, BITS, L7, A_LAYOUT)
             acc0 = warpgroup_mma(a0, xs, acc0, use_acc=carry, is_async=True)
             acc0 = warpgroup_mma(b0, xs1, acc0, is_async=True)
             # One fragment's operands in registers at a time: two fragments' (128 registers)
             # pushed the build to 231 registers and a hundred more moves a step (offline census).
             acc0, a0, b0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, b0))
             if FRAGS == 2:
-                a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT, MIX)
+                a1, b1 = _decode_halves(_fragment_words(w_smem, stage * FRAGS + 1, WL), BITS, L7, A_LAYOUT)
                 acc1 = warpgroup_mma(a1, xs, acc1, use_acc=carry, is_async=True)
                 acc1 = warpgroup_mma(b1, xs1, acc1, is_async=True)
                 acc1, a1, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, a1, b1))
@@ -569,10 +507,7 @@ def _decode_wgmma_kernel(x_desc, w_desc, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        pred=j < n)
         t_in, kb_in = _next_step(t_in, kb_in, NKB)
         if (kb == NKB - 1) | (i == n - 1):  # the program's part of this tile ends here: store it
-            if CHAINS == 2:
-                _store_partials(ws_ptr, acc0 + acc1, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, FRAGS, MMA)
-            else:
-                _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, FRAGS, MMA)
+            _store_partials(ws_ptr, acc0, acc1, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, FRAGS, MMA)
         tile, kb = _next_step(tile, kb, NKB)
         stage += 1
         phase ^= (stage == STAGES).to(gl.int32)
@@ -641,9 +576,6 @@ class DecodeWgmmaConfig:
     halves: bool = False  # the halves codec: weights lo + hi unrounded, two MMAs a fragment and step
     input_blocks: int | None = None  # Hadamard blocks an input-transform program (None: its rule)
     output_shape: tuple[int, int] | None = None  # (tokens, warps) an output-transform program (None: its rule)
-    mma_sync: bool = False  # per-warp mma.sync m16n8k16 (x' loaded into registers) instead of wgmma
-    chains: int = 1  # with mma_sync, halves and one fragment: 2 puts the second MMA chain in its own accumulator
-    pair_mix: int = 0  # halves at K=2: the first state by mul.hi (0), by a shift in tile half 1 (1), everywhere (2)
 
 
 #: GEMM programs one SM holds at once, by (K, token block): the registers and shared memory of the
@@ -723,8 +655,7 @@ def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
 
 
 def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True,
-                halves: bool = False, multiples_of_16: tuple[str, ...] = (), one_token: bool = False,
-                sync: bool = False, chains: int = 1, mix: int = 0):
+                halves: bool = False, multiples_of_16: tuple[str, ...] = (), one_token: bool = False):
     """The GEMM kernel specialized as a launch with these settings specializes it (16-byte
     aligned partials, and the integer arguments named in ``multiples_of_16``, e.g. ("M", "Np"),
     divisible by 16, as Triton specializes a launch whose values are; with ``one_token`` M is the
@@ -735,10 +666,10 @@ def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: 
            "w_desc": f"tensordesc<i32[{8 * fragments}, {BLOCK_K}],{WORDS_SMEM_LAYOUT!r}>", "ws_ptr": "*fp32",
            "M": "constexpr" if one_token else "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "FRAGS": "constexpr",
-           "HALVES": "constexpr", "PDL": "constexpr", "SYNC": "constexpr", "CHAINS": "constexpr", "MIX": "constexpr"}
+           "HALVES": "constexpr", "PDL": "constexpr"}
     return GluonASTSource(_decode_wgmma_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "FRAGS": fragments,
-                                      "HALVES": halves, "PDL": pdl, "SYNC": sync, "CHAINS": chains, "MIX": mix, **({"M": 1} if one_token else {})},
+                                      "HALVES": halves, "PDL": pdl, **({"M": 1} if one_token else {})},
                           attrs={(list(sig).index(name),): [["tt.divisibility", 16]]
                                  for name in ("ws_ptr", *multiples_of_16)})
 
@@ -892,7 +823,7 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
     args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
-                    HALVES=cfg.halves, PDL=cfg.dependent_launch, SYNC=cfg.mma_sync, CHAINS=cfg.chains, MIX=cfg.pair_mix, num_warps=4,
+                    HALVES=cfg.halves, PDL=cfg.dependent_launch, num_warps=4,
                     launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts, prepare(_decode_wgmma_kernel, grid, *args, slots=("x_desc", "ws_ptr") if keep else None,
                              **settings)
