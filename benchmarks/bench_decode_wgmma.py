@@ -213,6 +213,32 @@ def wave_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     return out
 
 
+def build_capacity(qw: QuantizedWeight, m: int, cfg) -> tuple[int, int, int]:
+    """(programs an SM, registers, shared bytes) of the GEMM build ``cfg`` launches at m tokens:
+    compiled by one launch, its occupancy from its registers (allocated 256 a warp) and shared
+    memory (1 KB a CTA reserved, 228 KB an SM), four warps a program."""
+    from escha.kernels.decode_wgmma import _gemm, _packed
+    x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
+    xq, _ = hadamard_input(x, qw, mma_order=True, halves=cfg.halves)
+    _, _, prep = _gemm(xq, qw, dataclasses.replace(cfg, programs=1, dependent_launch=False, early_start=False),
+                       _packed(qw), keep=True)
+    regs, smem = prep.compiled.n_regs, prep.compiled.metadata.shared
+    by_regs = 65536 // (4 * (-(-regs * 32 // 256) * 256))
+    return min(by_regs, (228 * 1024) // (smem + 1024), 16), regs, smem
+
+
+def at_capacity(variants: dict, qw: QuantizedWeight, m: int, log=print) -> dict:
+    """Each variant on one wave at its build's measured capacity (``build_capacity``) instead of
+    the programs an SM its table assumed (offline builds of another codec may hold more or fewer),
+    since a wave short of the capacity, started early, loses 8-21% ("waves_h200")."""
+    out = {}
+    for label, c in variants.items():
+        per_sm, regs, smem = build_capacity(qw, m, c)
+        log(f"  {label}: {regs} registers, {smem} B shared, {per_sm} programs an SM")
+        out[label] = dataclasses.replace(c, programs=one_wave(qw, m, per_sm, c.block_tokens, c.fragments))
+    return out
+
+
 def transform_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
     """The rule's configuration with other launch shapes of the call's transforms: the input
     transform at 1-32 Hadamard blocks a program (``in_b*``), the output transform at 1-16 tokens
@@ -372,7 +398,7 @@ def main() -> int:
                                                  release_early=c.dependent_launch and c.early_start)
                         return gemm_partials(xq_i, ws[i], c)[0]
                     arms["input_and_gemm"] = (input_and_gemm, len(ws))
-                variants = {**(variant_configs(cfg, ws[0], m) if args.variants else {}),
+                variants = {**(at_capacity(variant_configs(cfg, ws[0], m), ws[0], m, log) if args.variants else {}),
                             **(transform_variants(cfg, ws[0], m) if args.transform_variants else {}),
                             **(cap_variants(cfg, ws[0], m) if args.cap_variants else {}),
                             **(stage_variants(cfg, ws[0], m) if args.stage_variants else {}),

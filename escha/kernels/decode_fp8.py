@@ -24,7 +24,7 @@ four of their columns:
     MMA column kk = 32 s + 16 h + 4 t + 2 u + e   holds   T column 16 (2t + u) + (2 s + h) + 8 e
 
 so a register's four bytes are columns c and c + 8 (c = 2 s + h) of tiles 2t and 2t + 1: at K=2
-each pair is one funnel shift (``decode_wgmma._pair_values``), then one mul.f16x2 by 64 and one
+each pair is one funnel shift (``decode_wgmma._pair_values_f16x2``), then one mul.f16x2 by 64 and one
 cvt.rn.satfinite.e4m3x2.f16x2, and four ``stmatrix`` a thread a step store the tile.
 """
 from __future__ import annotations
@@ -68,8 +68,8 @@ from .decode_wgmma import (
     _most_segments,
     _next_step,
     _packed,
-    _pair_values,
-    _state_values,
+    _pair_values_f16x2,
+    _state_values_f16x2,
     _word_row,
     permute_blocks,
     runs_on,
@@ -115,10 +115,10 @@ def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
     v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [warps, groups, 8, 1, 1, 2, 4] row windows
     c = (2 * _iota(4, 3, 7, W7) + _iota(2, 4, 7, W7)).to(gl.uint64)  # tile column c = 2 s + h
     if BITS == 2:
-        va, vb = _pair_values(((v << (2 * c)) >> 32).to(gl.uint32))
+        va, vb = _pair_values_f16x2(((v << (2 * c)) >> 32).to(gl.uint32))
     else:
-        va, vb = _state_values(((v >> (48 - BITS * c)) & 0xFFFF).to(gl.uint32),
-                               ((v >> (48 - BITS * (c + 8))) & 0xFFFF).to(gl.uint32))
+        va, vb = _state_values_f16x2(((v >> (48 - BITS * c)) & 0xFFFF).to(gl.uint32),
+                                     ((v >> (48 - BITS * (c + 8))) & 0xFFFF).to(gl.uint32))
     a = (gl.join(va, vb) * 64.0).to(gl.float8e4nv)  # 64 T: exact in fp16; e4m3 rounds to nearest even
     return gl.reshape(gl.permute(a, [0, 1, 2, 3, 4, 6, 5, 7]), [ROWS, 128])
 

@@ -193,27 +193,42 @@ def _iota(N: gl.constexpr, AXIS: gl.constexpr, RANK: gl.constexpr, PARENT: gl.co
     return x
 
 
-# The codec's PTX: two LCG words xa, xb (from a funnel word, or from two states), then the
-# assembly shared by both: mask/xor (lop3, LUT 0x6A = (a & b) ^ c) each, two prmt gathering the
-# low and the high halves, one add.f16x2, and the pair of fp16 results.
-_ASSEMBLE = """
+# The codec's PTX: two LCG words xa, xb (from a funnel word, or from two states), then the mask/xor
+# (lop3, LUT 0x6A = (a & b) ^ c) of each, and each word's fp16 halves summed. Two ways to sum: the
+# fragments' (``_pair_values``, ``_state_values``) add each word's halves with one scalar add.f16
+# (HADD2 with swizzled operands, on the FMA pipe; ptxas packs the pair with one prmt); the fp8
+# GEMM's (``*_f16x2``) gathers the low and the high halves with two prmt (ALU pipe) and adds them
+# with one add.f16x2, leaving the pair in one register for its mul.f16x2 by 64. The same bits.
+_FIRST_STATES = """
+        shr.u32 sa, $2, 16;
+        mad.lo.u32 xa, sa, 89226354, 64248484;
+        mad.lo.u32 xb, $2, 89226354, 1584945828;
+        mad.lo.u32 xb, xa, 0xFFFF0000, xb;"""
+_TWO_STATES = """
+        mad.lo.u32 xa, $2, 89226354, 64248484;
+        mad.lo.u32 xb, $3, 89226354, 64248484;"""
+_MASK = """
         lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;"""
+_SUM_HALVES = """
+        mov.b32 {al, ah}, xa;
+        mov.b32 {bl, bh}, xb;
+        add.rn.f16 $0, al, ah;
+        add.rn.f16 $1, bl, bh;
+        }"""
+_SUM_F16X2 = """
         prmt.b32 lo, xa, xb, 0x5410;
         prmt.b32 hi, xa, xb, 0x7632;
         add.rn.f16x2 v, lo, hi;
         mov.b32 {$0, $1}, v;
         }"""
-_PAIR_VALUES_ASM = gl.constexpr("""{
+_REGS = """{
         .reg .b32 sa, xa, xb, lo, hi, v;
-        shr.u32 sa, $2, 16;
-        mad.lo.u32 xa, sa, 89226354, 64248484;
-        mad.lo.u32 xb, $2, 89226354, 1584945828;
-        mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _ASSEMBLE)
-_STATE_VALUES_ASM = gl.constexpr("""{
-        .reg .b32 xa, xb, lo, hi, v;
-        mad.lo.u32 xa, $2, 89226354, 64248484;
-        mad.lo.u32 xb, $3, 89226354, 64248484;""" + _ASSEMBLE)
+        .reg .b16 al, ah, bl, bh;"""
+_PAIR_VALUES_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK + _SUM_HALVES)
+_STATE_VALUES_ASM = gl.constexpr(_REGS + _TWO_STATES + _MASK + _SUM_HALVES)
+_PAIR_VALUES_F16X2_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK + _SUM_F16X2)
+_STATE_VALUES_F16X2_ASM = gl.constexpr(_REGS + _TWO_STATES + _MASK + _SUM_F16X2)
 
 
 @gluon.jit
@@ -224,8 +239,8 @@ def _pair_values(t):
     second state's LCG value is derived with mads on the FMA pipe instead of extracting it:
     t*MUL + ADD*(1 + 2**16) - (x_a << 16) = s_b*MUL + ADD (mod 2**32). The first state is
     t >> 16, a shift on the ALU pipe: taken as mul.hi(t, 2**16) on the FMA pipe instead, the
-    calls were 7-14% slower (docs/KERNELS.md, "The first state by a shift"). Then the mask/xor
-    (lop3), two prmt that gather the low and the high halves of both values, and one add.f16x2.
+    calls were 2-13% slower (docs/KERNELS.md, "The first state by a shift"). Then the mask/xor
+    (lop3) and each value's two halves summed by one add.f16.
     """
     return gl.inline_asm_elementwise(_PAIR_VALUES_ASM, "=h,=h,r", [t], dtype=(gl.float16, gl.float16), is_pure=True,
                                      pack=1)
@@ -233,14 +248,29 @@ def _pair_values(t):
 
 @gluon.jit
 def _state_values(sa, sb):
-    """fp16 3INST values of two states (mad, lop3 each; prmt, prmt, add.f16x2 for both)."""
+    """fp16 3INST values of two states (mad, lop3, add.f16 each)."""
     return gl.inline_asm_elementwise(_STATE_VALUES_ASM, "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pair_values_f16x2(t):
+    """``_pair_values`` with the halves gathered by two prmt and summed by one add.f16x2 (the fp8
+    GEMM's form: its pair stays one f16x2 register)."""
+    return gl.inline_asm_elementwise(_PAIR_VALUES_F16X2_ASM, "=h,=h,r", [t], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _state_values_f16x2(sa, sb):
+    """``_state_values`` in the fp8 GEMM's form (``_pair_values_f16x2``)."""
+    return gl.inline_asm_elementwise(_STATE_VALUES_F16X2_ASM, "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16),
                                      is_pure=True, pack=1)
 
 
 # The halves codec: the lop3 word's two fp16 halves (lo, hi) are one A register pair, multiplied
 # by the same x' (stored twice, transforms' HALVES order), so the tensor core forms lo x + hi x
-# and the prmt, prmt, add.f16x2 of the exact codec go. Its weight is the unrounded lo + hi,
+# and the exact codec's sum of each word's halves goes. Its weight is the unrounded lo + hi,
 # within half an fp16 ulp of T = fp16(lo + hi).
 _HALVES_TAIL = """
         lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
@@ -583,13 +613,13 @@ class DecodeWgmmaConfig:
 #: H200's release (tests/test_decode_wgmma.py checks it against the compiler; other releases may
 #: build a variant in fewer registers, never in more than the table allows).
 MEASURED_TRITON = (3, 6)
-PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
-                   (3, 8): 5, (3, 16): 4, (3, 32): 4, (3, 64): 4, (3, 128): 2}
-#: ptxas's register cap where the rule sets one, by (K, token block): K=3's 32- and 64-token builds
-#: take 137 and 165 registers uncapped (3 programs an SM) and 128 capped, without spills (4 an SM);
-#: K=2's 16-token build holds 4 an SM either way, and the cap gives ptxas's schedule fewer
-#: fixed-latency stalls (note at the end of this module).
-REGISTER_CAPS = {(2, 16): 128, (3, 32): 128, (3, 64): 128}
+PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 5, (2, 32): 4, (2, 64): 4, (2, 128): 2,
+                   (3, 8): 5, (3, 16): 5, (3, 32): 4, (3, 64): 4, (3, 128): 2}
+#: ptxas's register cap where the rule sets one, by (K, token block): the 64-token builds take 167
+#: registers uncapped at M not a multiple of 16 (3 programs an SM) and 128 capped, without spills
+#: (4 an SM); K=3's 16-token build takes 98 uncapped there and 96 capped (5 an SM, as its build for
+#: M a multiple of 16), K=3's 32-token build 128 either way (note at the end of this module).
+REGISTER_CAPS = {(2, 64): 128, (3, 16): 96, (3, 32): 128, (3, 64): 128}
 MIN_STEPS = 2  # k-blocks a program takes at least, where that leaves FILL_PER_SM programs an SM or more
 FILL_PER_SM = 2.5  # below it (a narrow weight), programs of one or two k-blocks fill the wave instead
 LATE_PER_SM = 2  # below it, the GEMM starts as the input transform ends, not as it starts
@@ -649,9 +679,7 @@ def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
     with one fragment at 8 tokens (K = 2 and 3); else two fragments up to 32 tokens; a ring of 2 at 64
     tokens and of 3 elsewhere (module note)."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
-    halves = block_tokens == 8
-    fragments = 2 if block_tokens <= 32 and not halves else 1
-    return block_tokens, fragments, 2 if block_tokens == 64 else 3, halves
+    return block_tokens, 1, 2 if block_tokens == 64 else 3, block_tokens == 8
 
 
 def gemm_source(bits: int, block_tokens: int, stages: int, fragments: int, pdl: bool = True,
