@@ -102,15 +102,15 @@ def test_rule_is_one_wave_started_early(shape, m, programs):
 
 @pytest.mark.parametrize("shape,m,programs,early", [((5120, 1280), 16, 400, True), ((1792, 5120), 32, 528, True),
                                                     ((4096, 2048), 16, 512, True), ((4096, 1024), 8, 512, True),
-                                                    ((4096, 1024), 16, 256, False), ((256, 256), 8, 8, False),
-                                                    ((256, 256), 16, 4, False)])
+                                                    ((4096, 512), 16, 256, False), ((256, 256), 8, 8, False),
+                                                    ((256, 256), 16, 8, False)])
 def test_rule_fills_the_wave_of_a_narrow_weight(shape, m, programs, early):
     """benchmarks/results/splitk_fill_h200/ (module note): where two k-blocks a program leave
     fewer than 2.5 programs an SM, programs of one or two k-blocks fill the wave: one program a
-    step where the weight has fewer steps than a wave (Qwen3-14B's o at TP 4 and Llama-3-8B's o
-    at TP 2 and 4, 16 tokens: 400, 512 and 256 steps), else the wave (Qwen3-14B's q/k/v at TP 4,
-    32 tokens; Llama-3-8B's o at TP 4, 8 tokens); under 2 an SM the GEMM starts as the input
-    transform ends (Llama-3-8B's o at TP 4, 16 tokens; a 256 x 256 weight: 8 and 4 steps)."""
+    step where the weight has fewer steps than a wave (Qwen3-14B's o at TP 4, 16 tokens: 400
+    steps), else the wave (Qwen3-14B's q/k/v at TP 4, 32 tokens; Llama-3-8B's o at TP 2 and 4,
+    8-16 tokens); under 2 an SM the GEMM starts as the input
+    transform ends (Llama-3-8B's o at TP 8, 16 tokens: 256 steps; a 256 x 256 weight: 8 steps)."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
     assert (cfg.programs, cfg.early_start) == (programs, early)
 
@@ -134,7 +134,7 @@ def test_rule_variant_takes_the_halves_codec_at_8_tokens(bits):
     codec's two fragments there on the H200 (K=2 0.3-6%, benchmarks/results/decode_next_ab; K=3
     6-9%, k3_cap/h200_ad46a25) and slower or level at 16-32. The configuration carries the variant."""
     qw = random_qweight(256, 512, bits=bits, seed=0)
-    for m, want in ((1, (8, 1, 3, True)), (8, (8, 1, 3, True)), (9, (16, 2, 3, False)), (32, (32, 2, 3, False)),
+    for m, want in ((1, (8, 1, 3, True)), (8, (8, 1, 3, True)), (9, (16, 1, 3, False)), (32, (32, 1, 3, False)),
                     (33, (64, 1, 2, False)), (200, (128, 1, 3, False))):
         assert dw.rule_variant(m, bits) == want
         cfg = dw.decode_wgmma_config(qw, m)

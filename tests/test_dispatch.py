@@ -127,12 +127,12 @@ def test_wgmma_config_with_other_programs():
     down = QuantizedWeight.placeholder((5120, 8704), 2, device="meta")
     assert config_with_programs(down, 16, None, cuda) == decode_wgmma_config(down, 16, cuda)
     assert decode_wgmma_config(down, 16, cuda).programs == 4 * 132
-    for programs in (1, 132, 263, 264, 2720):
+    for programs in (1, 132, 263, 264, 5440):
         cfg = config_with_programs(down, 16, programs, cuda)
-        assert cfg.programs == programs and cfg.block_tokens == 16 and cfg.fragments == 2
+        assert cfg.programs == programs and cfg.block_tokens == 16 and cfg.fragments == 1
         assert cfg.early_start == (programs >= 2 * 132)
-    with pytest.raises(ValueError, match="programs must be 1..2720"):
-        config_with_programs(down, 16, 2721, cuda)
+    with pytest.raises(ValueError, match="programs must be 1..5440"):
+        config_with_programs(down, 16, 5441, cuda)
 
 
 @pytest.mark.parametrize("m", [64, 65, 127, 128, 131])

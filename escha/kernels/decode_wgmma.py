@@ -613,13 +613,14 @@ class DecodeWgmmaConfig:
 #: H200's release (tests/test_decode_wgmma.py checks it against the compiler; other releases may
 #: build a variant in fewer registers, never in more than the table allows).
 MEASURED_TRITON = (3, 6)
-PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 5, (2, 32): 4, (2, 64): 4, (2, 128): 2,
+PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
                    (3, 8): 5, (3, 16): 5, (3, 32): 4, (3, 64): 4, (3, 128): 2}
 #: ptxas's register cap where the rule sets one, by (K, token block): the 64-token builds take 167
 #: registers uncapped at M not a multiple of 16 (3 programs an SM) and 128 capped, without spills
 #: (4 an SM); K=3's 16-token build takes 98 uncapped there and 96 capped (5 an SM, as its build for
-#: M a multiple of 16), K=3's 32-token build 128 either way (note at the end of this module).
-REGISTER_CAPS = {(2, 64): 128, (3, 16): 96, (3, 32): 128, (3, 64): 128}
+#: M a multiple of 16); K=2's 16-token build holds 5 an SM uncapped (95 registers) but ran 2-3%
+#: faster capped at 128 (4 an SM: ptxas's schedule; note at the end of this module).
+REGISTER_CAPS = {(2, 16): 128, (2, 64): 128, (3, 16): 96, (3, 32): 128, (3, 64): 128}
 MIN_STEPS = 2  # k-blocks a program takes at least, where that leaves FILL_PER_SM programs an SM or more
 FILL_PER_SM = 2.5  # below it (a narrow weight), programs of one or two k-blocks fill the wave instead
 LATE_PER_SM = 2  # below it, the GEMM starts as the input transform ends, not as it starts
