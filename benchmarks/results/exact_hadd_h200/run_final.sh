@@ -11,3 +11,4 @@ grep -E "^(gate_up|down|qkv|GATE)" $O/wgmma_k2/decode_wgmma.log | cut -c1-200
 timeout 250 python benchmarks/bench_e2e.py --device cuda --arms bf16,escha --repeats 2 --no-profile \
     --out $O/e2e_h200.json > $O/e2e.txt 2>&1
 tail -8 $O/e2e.txt
+cd $OUT && tar czf final.tgz final && rm -rf final
