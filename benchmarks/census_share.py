@@ -2,10 +2,9 @@
 (sm_90a SASS, compiled here without a GPU) set against its measured time in the dense sweep.
 
 For each token block of the rule (8..128 tokens; fragments, stages and codec as
-``decode_wgmma.rule_variant`` picks them: the halves codec with one fragment at K=2 and 8
-tokens, else two fragments up to 32 tokens, one from 64) the loop body - the longest region
-closed by a backward branch - is counted by opcode; its integer operations (bench_decode.INT_OPS:
-IMAD, LOP3, PRMT, SHF, ...) per weight give a floor of
+``decode_wgmma.rule_variant`` picks them: one fragment, the halves codec at 8 tokens) the loop
+body - the longest region closed by a backward branch - is counted by opcode; its integer
+operations (bench_decode.INT_OPS: IMAD, LOP3, PRMT, SHF, ...) per weight give a floor of
 
     floor = int ops per weight x N x K / (64 per clock per SM x SMs x clock)
 

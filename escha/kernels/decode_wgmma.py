@@ -650,11 +650,11 @@ def starts_early(programs: int, sms: int, token_blocks: int) -> bool:
 
 
 def decode_wgmma_config(qw: QuantizedWeight, m: int, device: torch.device | None = None) -> DecodeWgmmaConfig:
-    """The rule: tokens padded to a power of two >= 8 (at most 128 per program); at K=2 and 8
-    tokens the halves codec with one fragment (64 rows) per program, else two fragments (128
-    rows) up to 32 tokens and one above; an activation ring 3 deep, 2 at 64 tokens so that 4
-    programs fit an SM (``rule_variant``), and a cap of 128 registers at K=3 and 32-64 tokens
-    (for 4 an SM) and at K=2 and 16 tokens (a faster schedule) (``register_cap``); one wave of
+    """The rule: tokens padded to a power of two >= 8 (at most 128 per program); one fragment
+    (64 rows) per program, with the halves codec at 8 tokens and the exact codec above; an
+    activation ring 3 deep, 2 at 64 tokens so that 4 programs fit an SM (``rule_variant``), and
+    ptxas register caps where they keep a program an SM or give a faster schedule
+    (``register_cap``, REGISTER_CAPS); one wave of
     programs, as many as the SMs hold at once (PROGRAMS_PER_SM), shared among the token blocks,
     each program at least MIN_STEPS k-blocks unless a narrow weight's grid would then leave the
     SMs short (``grid_programs``); dependent launches wherever the device has them (sm_90 always
@@ -676,9 +676,9 @@ def config_with_programs(qw: QuantizedWeight, m: int, programs: int | None,
 
 def rule_variant(m: int, bits: int) -> tuple[int, int, int, bool]:
     """(block_tokens, fragments, stages, halves) the rule takes for m tokens of a K=bits weight,
-    whatever its shape: tokens padded to a power of two from 8 to MAX_TOKENS; the halves codec
-    with one fragment at 8 tokens (K = 2 and 3); else two fragments up to 32 tokens; a ring of 2 at 64
-    tokens and of 3 elsewhere (module note)."""
+    whatever its shape: tokens padded to a power of two from 8 to MAX_TOKENS; one fragment; the
+    halves codec at 8 tokens (K = 2 and 3); a ring of 2 at 64 tokens and of 3 elsewhere (module
+    note)."""
     block_tokens = min(MAX_TOKENS, max(8, triton.next_power_of_2(m)))
     return block_tokens, 1, 2 if block_tokens == 64 else 3, block_tokens == 8
 
@@ -937,3 +937,22 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # caps were level (39.8 / 25.0 / 28.9 against 39.6 / 24.8 / 28.8); at 64 tokens (K=2 and 3) caps
 # keeping 4 an SM were level and 96 registers (5 an SM) 4.5-12% slower; at 32 tokens a ring of 2
 # capped at 96 (84 registers, 5 an SM) within -2% to +2%. Not taken there.
+# One fragment at every block, and the exact codec's sum by add.f16 (benchmarks/results/exact_hadd_h200/,
+# 2026-12-04): once the pair codec took its first state by a shift (shift_state_h200/: the FMA pipe
+# freed, 2-13% less at 1-64 tokens), summing each word's halves by add.f16 (HADD2, FMA pipe)
+# instead of two prmt and add.f16x2 (ALU pipe) evened the pipes again, and one 64-row fragment a
+# program (4 an SM at 16-64 tokens, 5 at 8) beat two at 16-32 tokens: against the rule before
+# (11b05e7: two fragments to 32 tokens, the prmt sum), in one process, gate_up / down / 8B down /
+# 8B q/k/v at 16 tokens 32.3 / 20.0 / 23.8 / 13.8 us against 34.1 / 21.8 / 25.0 / 14.9, at 32
+# 35.3 / 22.3 / 26.4 / 15.1 against 38.6 / 25.0 / 28.6 / 16.8, at 64 40.2 / 25.7 / 30.2 / 16.7
+# against 42.8 / 26.9 / 31.7 / 17.4, and within 1% at 1-8 tokens (the halves codec, unchanged);
+# K=3 gate_up / down at 16, 32, 64 tokens 37.4 / 23.1, 39.6 / 24.6, 45.8 / 28.5 against 39.4 /
+# 24.7, 43.0 / 27.4, 48.3 / 29.9. The sum costs registers: uncapped, K=2's 64-token build takes
+# 167 at M not a multiple of 16 (3 an SM) and K=3's 16-token one 98 (4 an SM, its M-multiple-of-16
+# build 96: 5), hence their caps of 128 and 96 (no spills). K=2's 16-token build holds 5 an SM
+# uncapped (95 registers) but ran gate_up / down / 8B down in 33.0 / 20.7 / 24.4 us there (rule/)
+# against 32.0 / 20.1 / 23.8 capped at 128 (4 an SM; first/), in two calls whose 11b05e7 arm
+# agreed within 0.3 us: the cap stays (final/: 32.3 / 20.0 / 23.8). The fp8 decode
+# GEMM keeps the prmt sum (``_pair_values_f16x2``): its pair stays one f16x2 register for the mul
+# by 64, and the add.f16 form cost its 64-token build registers (a program an SM) for 1-2.5%.
+
