@@ -473,18 +473,18 @@ def test_fit_splitk_for_the_register_operand_kernel():
     assert len(fit.FAMILIES["llama3-8b"]) == 20 and len(fit.FAMILIES["tp8"]) == 8
     gate_up = QuantizedWeight.placeholder((17408, 5120), 2, device="meta")
     grids = fit.wgmma_grids(gate_up, 16, 132)  # 4 programs an SM at 16 tokens: a wave is 528
-    assert grids == {"w0.5": 264, "w1": 528, "w1.5": 792, "w2": 1056, "w3": 1584, "t3": 408, "t6": 816, "rule": 528}
+    assert grids == {"w0.5": 264, "w1": 528, "w1.5": 792, "w2": 1056, "w3": 1584, "t3": 816, "t6": 1632, "rule": 528}
     small = QuantizedWeight.placeholder((256, 256), 2, device="meta")  # 4 tiles of one fragment x 2 k-blocks
     assert fit.wgmma_grids(small, 8, 132) == {"rule": 8}  # under 2.5 an SM: one program a step
     grids = fit.wgmma_grids(small, 16, 132)
-    assert grids == {"rule": 4}  # two fragments: 2 tiles x 2 k-blocks
-    cfgs = fit.wgmma_configs(small, 16, grids)  # 4 programs: the rule starts late, so the other arm early
-    assert grids == {"rule": 4, "rule_early": 4}
+    assert grids == {"rule": 8}
+    cfgs = fit.wgmma_configs(small, 16, grids)  # 8 programs: the rule starts late, so the other arm early
+    assert grids == {"rule": 8, "rule_early": 8}
     assert not cfgs["rule"].early_start and cfgs["rule_early"].early_start
-    down_tp4 = QuantizedWeight.placeholder((4096, 3584), 2, device="meta")  # 896 steps at 16 tokens
-    grids = fit.wgmma_grids(down_tp4, 16, 132)  # the floor's 448 programs (3.4 an SM) stay the rule's
+    down_tp8 = QuantizedWeight.placeholder((4096, 1792), 2, device="meta")  # 896 steps at 16 tokens
+    grids = fit.wgmma_grids(down_tp8, 16, 132)  # the floor's 448 programs (3.4 an SM) stay the rule's
     assert grids["rule"] == 448 and grids["fill"] == 528
-    cfgs = fit.wgmma_configs(down_tp4, 16, grids)
+    cfgs = fit.wgmma_configs(down_tp8, 16, grids)
     assert {g: c.early_start for g, c in cfgs.items() if g.startswith(("rule", "fill"))} == {
         "rule": True, "fill": True, "rule_late": False, "fill_late": False}
     table = [  # the rule best at one point, 10% behind the best at the other; a 64-token point
