@@ -24,8 +24,8 @@ the high and low halves of one funnel shift (``_pair_values``).
 The halves codec (``halves``, the rule's at 8 tokens, K = 2 and 3): 3INST's value is the fp16 sum
 of the two halves of a 32-bit word. Here a register pair holds those two halves of one weight
 and x' is stored twice (the input transform's HALVES order), so the tensor core forms
-lo x + hi x and the prmt, prmt, add.f16x2 of each pair of weights go; each step runs two MMAs a
-fragment. Its weight is the unrounded lo + hi, within half an fp16 ulp of the codec's value (the
+lo x + hi x and the exact codec's add.f16 of each weight's halves goes; each step runs two MMAs
+a fragment. Its weight is the unrounded lo + hi, within half an fp16 ulp of the codec's value (the
 tolerance table's 2**-11 weight term); dequantize stays bit-exact.
 
 Words are repacked once per weight (``pack_words``: 64 bits per tile row, 2x the trellis at
