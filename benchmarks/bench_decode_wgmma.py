@@ -33,8 +33,9 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.bench.method import rotation_buffers
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
+from escha.kernels.compile_check import programs_per_sm
 from escha.kernels.decode_wgmma import (PROGRAMS_PER_SM, decode_wgmma, decode_wgmma_config, decoded_fragments,
-                                        gemm_partials, grid_programs, mma_order_core, packed_words)
+                                        gemm_partials, grid_programs, mma_order_core, packed_words, tiles_and_steps)
 from escha.kernels.transforms import hadamard_input, hadamard_output, input_blocks_per_program, output_shape
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -95,8 +96,7 @@ def one_wave(qw: QuantizedWeight, m: int, per_sm: int, tokens: int, fragments: i
     ``per_sm`` programs an SM, of ``fragments`` 64-row fragments (the rule's grid,
     ``decode_wgmma.grid_programs``, for another occupancy)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    steps = qw.padded_shape[0] // (64 * fragments) * (qw.padded_shape[1] // 128)
-    return grid_programs(steps, per_sm, sms, -(-m // tokens))
+    return grid_programs(tiles_and_steps(qw.padded_shape, fragments)[1], per_sm, sms, -(-m // tokens))
 
 
 def variant_configs(cfg, qw: QuantizedWeight, m: int) -> dict:
@@ -215,16 +215,15 @@ def wave_variants(cfg, qw: QuantizedWeight, m: int) -> dict:
 
 def build_capacity(qw: QuantizedWeight, m: int, cfg) -> tuple[int, int, int]:
     """(programs an SM, registers, shared bytes) of the GEMM build ``cfg`` launches at m tokens:
-    compiled by one launch, its occupancy from its registers (allocated 256 a warp) and shared
-    memory (1 KB a CTA reserved, 228 KB an SM), four warps a program."""
+    compiled by one launch, its occupancy from its registers and shared memory
+    (``compile_check.programs_per_sm``, four warps a program)."""
     from escha.kernels.decode_wgmma import _gemm, _packed
     x = torch.randn(m, qw.in_features, device="cuda", dtype=torch.bfloat16)
     xq, _ = hadamard_input(x, qw, mma_order=True, halves=cfg.halves)
     _, _, prep = _gemm(xq, qw, dataclasses.replace(cfg, programs=1, dependent_launch=False, early_start=False),
                        _packed(qw), keep=True)
     regs, smem = prep.compiled.n_regs, prep.compiled.metadata.shared
-    by_regs = 65536 // (4 * (-(-regs * 32 // 256) * 256))
-    return min(by_regs, (228 * 1024) // (smem + 1024), 16), regs, smem
+    return programs_per_sm(regs, smem), regs, smem
 
 
 def at_capacity(variants: dict, qw: QuantizedWeight, m: int, log=print) -> dict:

@@ -42,8 +42,8 @@ from escha.bench.cuda_timing import GraphTimer  # noqa: E402
 from escha.bench.method import Spread, rotation_buffers, round_order  # noqa: E402
 from escha.format import QuantizedWeight, random_qweight  # noqa: E402
 from escha.kernels import SplitKRule, decode, decode_config, decode_split_k  # noqa: E402
-from escha.kernels.decode_wgmma import (BLOCK_K, FRAGMENT_ROWS, PROGRAMS_PER_SM, config_with_programs,  # noqa: E402
-                                        decode_wgmma, decode_wgmma_config, rule_variant)
+from escha.kernels.decode_wgmma import (PROGRAMS_PER_SM, config_with_programs, decode_wgmma,  # noqa: E402
+                                        decode_wgmma_config, rule_variant, tiles_and_steps)
 
 POINTS = [(34816, 5120), (17408, 5120), (8704, 5120), (5120, 17408), (5120, 8704), (5120, 4352)]
 MS = (8, 40, 64)
@@ -90,7 +90,7 @@ def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
     wave, or one program a step, without the rule's floor of k-blocks a program) where the rule's
     grid is another."""
     rule = decode_wgmma_config(qw, m, torch.device("cuda"))
-    tiles, steps = tiles_and_steps(qw, rule.fragments)
+    tiles, steps = tiles_and_steps(qw.padded_shape, rule.fragments)
     wave = PROGRAMS_PER_SM[(qw.bits, rule.block_tokens)] * sms // -(-m // rule.block_tokens)
     grids = {f"w{w:g}": max(1, round(w * wave)) for w in WAVES}
     grids.update({"t3": 3 * tiles, "t6": 6 * tiles, "rule": rule.programs})
@@ -98,13 +98,6 @@ def wgmma_grids(qw: QuantizedWeight, m: int, sms: int) -> dict[str, int]:
     if min(steps, wave) != rule.programs:  # the rule's floor of k-blocks a program left the wave short
         grids["fill"] = min(steps, wave)
     return grids
-
-
-def tiles_and_steps(qw: QuantizedWeight, fragments: int) -> tuple[int, int]:
-    """The row tiles of ``fragments`` 64-row fragments, and the (row tile, k-block) steps, of ``qw``."""
-    np_, kp = qw.padded_shape
-    tiles = np_ // (FRAGMENT_ROWS * fragments)
-    return tiles, tiles * (kp // BLOCK_K)
 
 
 def wgmma_configs(qw: QuantizedWeight, m: int, grids: dict[str, int]) -> dict:
@@ -163,7 +156,7 @@ def sweep_wgmma(args) -> None:
             us = {g: Spread.of(v).median for g, v in samples.items()}
             rule = cfgs["rule"]
             p = {"N": n, "K": k, "M": m, "block_tokens": rule.block_tokens,
-                 "steps": tiles_and_steps(qws[0], rule.fragments)[1],
+                 "steps": tiles_and_steps(qws[0].padded_shape, rule.fragments)[1],
                  "token_blocks": -(-m // rule.block_tokens), "sms": info["sms"], "programs": grids, "us": us,
                  "best": min(us, key=us.get)}
             table.append(p)

@@ -109,8 +109,8 @@ def test_rule_fills_the_wave_of_a_narrow_weight(shape, m, programs, early):
     fewer than 2.5 programs an SM, programs of one or two k-blocks fill the wave: one program a
     step where the weight has fewer steps than a wave (Qwen3-14B's o at TP 4, 16 tokens: 400
     steps), else the wave (Qwen3-14B's q/k/v at TP 4, 32 tokens; Llama-3-8B's o at TP 2 and 4,
-    8-16 tokens); under 2 an SM the GEMM starts as the input
-    transform ends (Llama-3-8B's o at TP 8, 16 tokens: 256 steps; a 256 x 256 weight: 8 steps)."""
+    8-16 tokens); under 2 an SM the GEMM starts as the input transform ends (Llama-3-8B's o at
+    TP 8, 16 tokens: 256 steps; a 256 x 256 weight: 8 steps)."""
     cfg = dw.decode_wgmma_config(random_qweight(*shape, bits=2, seed=0), m)
     assert (cfg.programs, cfg.early_start) == (programs, early)
 

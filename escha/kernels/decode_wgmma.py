@@ -239,7 +239,7 @@ def _pair_values(t):
     second state's LCG value is derived with mads on the FMA pipe instead of extracting it:
     t*MUL + ADD*(1 + 2**16) - (x_a << 16) = s_b*MUL + ADD (mod 2**32). The first state is
     t >> 16, a shift on the ALU pipe: taken as mul.hi(t, 2**16) on the FMA pipe instead, the
-    calls were 2-13% slower (docs/KERNELS.md, "The first state by a shift"). Then the mask/xor
+    calls were 2-13% slower (docs/KERNELS.md, "The codec's pipes"). Then the mask/xor
     (lop3) and each value's two halves summed by one add.f16.
     """
     return gl.inline_asm_elementwise(_PAIR_VALUES_ASM, "=h,=h,r", [t], dtype=(gl.float16, gl.float16), is_pure=True,
@@ -631,6 +631,14 @@ def register_cap(bits: int, block_tokens: int) -> int | None:
     return REGISTER_CAPS.get((bits, block_tokens))
 
 
+def tiles_and_steps(padded_shape: tuple[int, int], fragments: int) -> tuple[int, int]:
+    """The row tiles of ``fragments`` 64-row fragments of a weight of padded shape (Np, Kp), and
+    its (row tile, k-block) steps: what a token block's programs share."""
+    np_, kp = padded_shape
+    tiles = np_ // (FRAGMENT_ROWS * fragments)
+    return tiles, tiles * (kp // BLOCK_K)
+
+
 def grid_programs(steps: int, per_sm: int, sms: int, token_blocks: int) -> int:
     """The rule's programs per token block for a weight of ``steps`` (row tile, k-block) steps:
     one wave (``per_sm`` programs on each of ``sms`` SMs, shared among the token blocks), each
@@ -711,8 +719,7 @@ def _config(np_: int, kp: int, bits: int, m: int, programs: int | None,
     block_tokens, fragments, stages, halves = rule_variant(m, bits)
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
-    tiles = np_ // (FRAGMENT_ROWS * fragments)
-    steps = tiles * (kp // BLOCK_K)
+    steps = tiles_and_steps((np_, kp), fragments)[1]
     token_blocks = triton.cdiv(m, block_tokens)
     if programs is None:  # one wave: every SM busy to the end (note at the end of this module)
         programs = grid_programs(steps, PROGRAMS_PER_SM.get((bits, block_tokens), 1), sms, token_blocks)
@@ -842,15 +849,15 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
         raise ValueError(f"x' has {xq.shape[1]} columns; this configuration (halves={cfg.halves}) reads "
                          f"{input_columns(kp, cfg.halves)}: build it with hadamard_input(..., halves={cfg.halves})")
     nkb = kp // BLOCK_K
-    tiles = np_ // (FRAGMENT_ROWS * cfg.fragments)
-    programs = min(cfg.programs, tiles * nkb)
+    tiles, steps = tiles_and_steps((np_, kp), cfg.fragments)
+    programs = min(cfg.programs, steps)
     counts = device_constant(("segments", programs, tiles, nkb, cfg.fragments), xq.device,
                              lambda: segment_counts(programs, tiles, nkb, cfg.fragments, xq.device))
     segs = _most_segments(programs, tiles, nkb)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     ws = torch.empty((segs, m, np_), dtype=torch.float32, device=xq.device)
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, tiles * nkb, programs)
+    args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, steps, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
                     HALVES=cfg.halves, PDL=cfg.dependent_launch, num_warps=4,
                     launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
