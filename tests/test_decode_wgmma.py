@@ -115,6 +115,16 @@ def test_rule_fills_the_wave_of_a_narrow_weight(shape, m, programs, early):
     assert (cfg.programs, cfg.early_start) == (programs, early)
 
 
+@pytest.mark.parametrize("m,rows", [(1, 1), (7, 7), (8, 8), (9, 16), (16, 16), (24, 32), (33, 48), (40, 48),
+                                    (64, 64), (65, 80), (300, 304)])
+def test_partial_rows_round_up_to_16_from_blocks_of_16(m, rows):
+    """The GEMM's M (its partials' rows): m in the 8-token block, else m rounded up to 16, so
+    that a launch never runs Triton's build for M not a multiple of 16
+    (benchmarks/results/partial_rows_h200/)."""
+    cfg = dw.decode_wgmma_config(random_qweight(256, 256, bits=2, seed=0), m)
+    assert dw.partial_rows(m, cfg.block_tokens) == rows
+
+
 def test_grid_programs_floor_and_fill():
     """grid_programs keeps two k-blocks a program while they leave 2.5 programs an SM; below,
     one wave or one program a step; starts_early splits at 2 an SM."""

@@ -203,6 +203,24 @@ def test_hadamard_output_launch_shapes_give_the_same_bits(m):
         hadamard_output(z, qw, inv, torch.empty(m, 300, dtype=torch.bfloat16, device=DEV), shape=(3, 4))
 
 
+def test_hadamard_output_reads_only_the_rows_of_out():
+    """Partials with more rows than the output (a GEMM's M rounded up: decode_wgmma.partial_rows)
+    give the bits of the same partials cropped to the output's rows; the extra rows, poisoned
+    with NaN, are never read. Fewer rows than the output are refused."""
+    g = torch.Generator().manual_seed(11)
+    qw = random_qweight(300, 256, 2, seed=11, device=DEV)
+    m, mz = 9, 16
+    z = torch.randn(3, mz, qw.padded_shape[0], generator=g).to(DEV)
+    z[:, m:] = float("nan")
+    inv = torch.exp2(torch.randint(-5, 6, (m,), generator=g).float()).to(DEV)
+    want = hadamard_output(z[:, :m].contiguous(), qw, inv, torch.empty(m, 300, dtype=torch.bfloat16, device=DEV))
+    got = hadamard_output(z, qw, inv, torch.full((m, 300), float("nan"), dtype=torch.bfloat16, device=DEV))
+    assert torch.isfinite(want).all()
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="bad shapes"):
+        hadamard_output(z[:, :m - 1].contiguous(), qw, inv, torch.empty(m, 300, dtype=torch.bfloat16, device=DEV))
+
+
 def test_hadamard_output_head_norm_against_the_model_norm():
     """The flagged head normalised as HeadNorm.apply does it to the projection's bf16 output."""
     g = torch.Generator().manual_seed(5)

@@ -809,7 +809,8 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
         kx = input_columns(kp, cfg.halves)
         xq = torch.empty((m, kx), dtype=torch.float16, device=x.device)
         inv = torch.empty((m,), dtype=torch.float32, device=x.device)
-        ws = torch.empty((segs, m, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
+        ws = torch.empty((segs, partial_rows(m, cfg.block_tokens), np_), dtype=torch.float32,
+                         device=x.device)  # no zeroing: counts
         y = output_tensor(x, m, qw.out_features, out)
         pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
         pgemm.run(TensorDescriptor(xq, [m, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
@@ -829,9 +830,17 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
+def partial_rows(m: int, block_tokens: int) -> int:
+    """The GEMM's M for m tokens in blocks of ``block_tokens``: m rounded up to 16 from blocks of
+    16 (its partials hold that many rows, those past m zero; x' keeps m rows, TMA zero-filling the
+    rest), so that every launch runs Triton's build for M a multiple of 16 (1-4% faster at 24 and
+    56 tokens: module note); m in blocks of 8."""
+    return m if block_tokens < 16 else -(-m // 16) * 16
+
+
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight,
                   cfg: DecodeWgmmaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM kernel alone: fp32 partials z^T [segments, M, Np] of x' (``hadamard_input(...,
+    """The GEMM kernel alone: fp32 partials z^T [segments, ``partial_rows(M, ...)``, Np] of x' (``hadamard_input(...,
     mma_order=True, halves=cfg.halves)``'s fp16 output, [M, Kp], or [M, 2 Kp] with halves)
     against the weight's words, and how many of them each 64-row group has
     (``hadamard_output``'s ``segments``; the others are left unwritten).
@@ -855,9 +864,10 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
                              lambda: segment_counts(programs, tiles, nkb, cfg.fragments, xq.device))
     segs = _most_segments(programs, tiles, nkb)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
-    ws = torch.empty((segs, m, np_), dtype=torch.float32, device=xq.device)
+    mk = partial_rows(m, cfg.block_tokens)  # TMA zero-fills x' rows m..mk
+    ws = torch.empty((segs, mk, np_), dtype=torch.float32, device=xq.device)
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    args = (x_desc, packed.descs[cfg.fragments], ws, m, np_, nkb, steps, programs)
+    args = (x_desc, packed.descs[cfg.fragments], ws, mk, np_, nkb, steps, programs)
     settings = dict(BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, FRAGS=cfg.fragments,
                     HALVES=cfg.halves, PDL=cfg.dependent_launch, num_warps=4,
                     launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
@@ -962,4 +972,14 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # agreed within 0.3 us: the cap stays (final/: 32.3 / 20.0 / 23.8). The fp8 decode
 # GEMM keeps the prmt sum (``_pair_values_f16x2``): its pair stays one f16x2 register for the mul
 # by 64, and the add.f16 form cost its 64-token build registers (a program an SM) for 1-2.5%.
+# Partials' rows (``partial_rows``; benchmarks/results/partial_rows_h200/, one process against
+# fe633fc, µs, whole call): with M rounded up to 16 every launch runs the build for M a multiple
+# of 16; gate_up / down / 8B down at 24 tokens 34.9 / 21.9 / 26.3 against 35.5 / 22.2 / 26.7, at 56
+# 40.3 / 25.6 / 30.3 against 42.0 / 26.2 / 31.4, at 40 44.1 / 24.8 / 31.5 against 44.4 / 25.8 /
+# 30.6 (the one loss), level at 48. It does not mend 40 tokens: there the GEMM alone, in the same
+# build on the same 48-row partials, took 40.0 us on gate_up against 34.9 at 48 tokens (35.8 at
+# 56), so the build was not the cause; what differs is x' (40 rows, TMA zero-filling 24 of a
+# 64-row box). Storing through an opaque move (as decode_fp8._store_rows) gives the two builds
+# the same code and every block its programs an SM without a cap, but was 1-4% slower at 1, 16
+# and 64 tokens and level at 40 (benchmarks/results/opaque_store_h200/): not taken.
 

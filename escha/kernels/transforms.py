@@ -275,9 +275,10 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
 
 @triton.jit
 def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr, heps,
-                             M, N_out, Np, stride_ym,
+                             M, ZM, N_out, Np, stride_ym,
                              SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr):
-    """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
+    """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype
+    (z [SPLIT, ZM, Np]: its rows from M on are not read).
 
     The partials are summed in the fixed order s = 0, 1, ..., so the result is bitwise
     reproducible; rows of 64-row group r take the first seg[r] of the SPLIT partials (the GEMM
@@ -296,7 +297,7 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
     wait_for_producer(PDL)
     z = tl.zeros([BM, 128], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        z += tl.load(z_ptr + (s * M + m) * Np + n, mask=mmask & (s < seg), other=0.0)
+        z += tl.load(z_ptr + (s * ZM + m) * Np + n, mask=mmask & (s < seg), other=0.0)
     # z H in fp32 butterflies (hadamard128): exact +-1 products, 7 fp32 roundings a value.
     h = hadamard128(z) * INV_SQRT_HAD
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
@@ -332,9 +333,10 @@ def output_shape(m: int, np_: int, parallel: bool = True) -> tuple[int, int]:
 def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
                     dependent_launch: bool = False, head_norm: HeadNorm | None = None,
                     segments: torch.Tensor | None = None, shape: tuple[int, int] | None = None) -> torch.Tensor:
-    """Sum split partials z [SPLIT, M, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
+    """Sum split partials z [SPLIT, Mz, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
 
-    ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride.
+    ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride; z
+    may hold more rows than out (Mz >= M: a GEMM's rows rounded up), which are not read.
     ``dependent_launch``: launched as a programmatic dependent of the GEMM that writes z.
     ``head_norm``: the per-head RMSNorm of the flagged blocks (weight of out's dtype, heads whole
     inside the output), applied before the store.
@@ -354,11 +356,13 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     """``hadamard_output``, returning with ``keep`` its launch prepared to run again
     (``common.Prepared``; per-call tensors ``OUTPUT_SLOTS``: z, out, 2**-e and the head norm's
     weight and flags, which are out when there is none), else None."""
-    split, m, np_ = z.shape
+    split, zm, np_ = z.shape
+    m = out.shape[0]
     bm, warps = shape or output_shape(m, np_, parallel=not interpreted())
     if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8):
         raise ValueError(f"shape must be (tokens a power of two, warps 1/2/4/8), got {shape}")
-    if np_ != qw.padded_shape[0] or out.shape != (m, qw.out_features) or out.stride(1) != 1:
+    if (np_ != qw.padded_shape[0] or zm < m or out.dim() != 2 or out.shape[1] != qw.out_features
+            or out.stride(1) != 1):
         raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
     if segments is None:
         segments = constant_vector(z.device, np_ // 64, split, torch.int32)  # every partial counts
@@ -371,7 +375,7 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
     args = (z, out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb, segments,
-            0.0 if head_norm is None else head_norm.eps, m, qw.out_features, np_, out.stride(0))
+            0.0 if head_norm is None else head_norm.eps, m, zm, qw.out_features, np_, out.stride(0))
     settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=warps,
                     launch_pdl=dependent_launch)
     return prepare(_output_transform_kernel, grid, *args, slots=OUTPUT_SLOTS if keep else None, **settings)
