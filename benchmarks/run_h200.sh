@@ -56,6 +56,10 @@
 # PHASE "host":    GPU tests, then the host time of one eager escha.matmul call beside its GPU time
 #                  (benchmarks/bench_host.py, with cProfile's top functions); run "profile" after it
 #                  for the whole model eager.
+# PHASE "ncu-loop": ncu (--set full, with the stall reasons per issued instruction) of the
+#                  register-operand GEMM at gate_up 8, 40, 48 and 64 tokens: issue #12's summary at 8
+#                  and 64 of the loop as it is, and 40 beside 48 (the same build and partials since
+#                  decode_wgmma.partial_rows; 40 is 15% slower: docs/KERNELS.md, "40 tokens").
 # PHASE "investigate": what the even-split numbers left open (docs/KERNELS.md, "Next, from these
 #                  numbers"): ncu of the GEMM loop at gate_up M=8 and M=64 (issue slots, and the
 #                  stall reasons per issued instruction, which the text report leaves out),
@@ -137,7 +141,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -255,6 +259,13 @@ case "$phase" in
   host)
     step gpu_tests 270 python -m pytest -q -m gpu tests
     step host 150 python benchmarks/bench_host.py --out "$out/host_h200.json" --profile "$out/host_profile_h200.txt"
+    ;;
+  ncu-loop)
+    for m in 8 40 48 64; do
+      step "ncu_gemm_gate_up_m$m" 130 ncu --clock-control none -k regex:_decode_wgmma_kernel --launch-skip 6 \
+        --launch-count 1 --set full --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python benchmarks/profile_decode.py --shape gate_up --m "$m" --calls 8
+    done
     ;;
   investigate)
     for m in 8 64; do
