@@ -308,9 +308,11 @@ def test_programs_per_sm_is_the_compiled_occupancy(ptx, bits, bn, build):
     """The rule's wave (PROGRAMS_PER_SM) is what an sm_90 SM holds of the compiled variant (at
     its register_cap): 64K registers (allocated 8 a thread at a time, 128 threads a program) and
     228 KB of shared memory (1 KB of it reserved a program). A kernel change that costs registers
-    shows here. Both kernels a block's launches compile: M other (``res``), and M = 1 (the 8-token
-    block) or M a multiple of 16 (the others) (``spec``), which Triton specializes on M and ptxas
-    schedules and allocates otherwise (K=2 at 16 tokens uncapped: 125 registers instead of 128).
+    shows here. Both kernels Triton specializes on M: M other (``res``), and M = 1 (the 8-token
+    block) or M a multiple of 16 (the others) (``spec``), which ptxas schedules and allocates
+    otherwise (K=2 at 16 tokens uncapped: 125 registers instead of 128). The 8-token block
+    launches both; the others launch only ``spec`` (``partial_rows``), and their ``res`` builds
+    are held to the table too.
     Exact under the release the rule was measured with, because a wave one program an SM short of
     the capacity of the kernel launched, started early, ran 8-21% slower on the H200 than the
     same wave started late (benchmarks/results/waves_h200/; docs/KERNELS.md, "A wave short of the

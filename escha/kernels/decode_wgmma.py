@@ -619,7 +619,10 @@ PROGRAMS_PER_SM = {(2, 8): 5, (2, 16): 4, (2, 32): 4, (2, 64): 4, (2, 128): 2,
 #: registers uncapped at M not a multiple of 16 (3 programs an SM) and 128 capped, without spills
 #: (4 an SM); K=3's 16-token build takes 98 uncapped there and 96 capped (5 an SM, as its build for
 #: M a multiple of 16); K=2's 16-token build holds 5 an SM uncapped (95 registers) but ran 2-3%
-#: faster capped at 128 (4 an SM: ptxas's schedule; note at the end of this module).
+#: faster capped at 128 (4 an SM: ptxas's schedule; note at the end of this module). Since
+#: ``partial_rows`` those blocks launch only their build for M a multiple of 16, which holds the
+#: same programs an SM uncapped (offline); the caps of (2, 64) and (3, 16) stay because a cap
+#: changes ptxas's schedule, and the builds without them were not timed.
 REGISTER_CAPS = {(2, 16): 128, (2, 64): 128, (3, 16): 96, (3, 32): 128, (3, 64): 128}
 MIN_STEPS = 2  # k-blocks a program takes at least, where that leaves FILL_PER_SM programs an SM or more
 FILL_PER_SM = 2.5  # below it (a narrow weight), programs of one or two k-blocks fill the wave instead
