@@ -751,8 +751,65 @@ def test_census_share_reads_a_decode_bench_result(tmp_path):
     path = tmp_path / "decode.json"
     path.write_text(json.dumps({"env": env, "points": pts}))
     points, meta = cs.measured_points(argparse.Namespace(bench=str(path), sweep=None, arm=None))
-    assert points == [("qkv_8b", 6144, 4096, 1, 15.1, 2)]  # a result without bits: K=2
+    assert points == [("qkv_8b", 6144, 4096, 1, 15.1, 2, None)]  # a result without bits (K=2) or config
     assert meta == {"sms": 132, "clock_hz": 1.98e9, "git_sha": "abc1234", "gpu": "NVIDIA H200"}
+
+
+def test_census_share_counts_the_tile_end_store_once_a_part():
+    """A step runs the loop's steady instructions every time and the tile-end store it branches
+    over (a forward branch of more than 40 instructions) once a part of a row tile: the integer
+    operations a weight weigh the store by parts / steps, not as every step's."""
+    cs = _script("census_share")
+    lines, addr = [], 0
+
+    def ins(text: str) -> None:
+        nonlocal addr
+        lines.append(f"        /*{addr:04x}*/                   {text} ;")
+        addr += 16
+
+    ins("MOV R1, c[0x0][0x28]")
+    top = addr
+    for _ in range(10):
+        ins("IMAD R2, R3, R4, R5")
+    for _ in range(6):
+        ins("HADD2 R6, R6, R7")
+    skip = addr + 16 * 46  # over the branch and the 45 instructions of the store
+    ins(f"@P2 BRA {skip:#x}")
+    for _ in range(15):
+        ins("LEA R8, P0, R9, R10, 0x2")
+    for _ in range(30):
+        ins("STG.E [R8.64], R24")
+    ins("LOP3.LUT R2, R2, 0xff, RZ, 0xc0, !PT")
+    ins(f"@!P1 BRA {top:#x}")
+    ins("EXIT")
+    c = cs.step_census("\n".join(lines), steps=100, parts=8, fragments=1)
+    assert c["steady_int_ops"] == 11 and c["store_int_ops"] == 15 and c["store_instructions"] == 45
+    assert c["steady_instructions"] == 19  # 10 IMAD, 6 HADD2, the two branches, the LOP3
+    assert c["int_ops_per_weight"] == pytest.approx((11 + 15 * 8 / 100) / 64)
+    assert cs.step_census("\n".join(lines), steps=100, parts=8, fragments=2)["int_ops_per_weight"] == \
+        pytest.approx((11 + 15 * 8 / 100) / 128)
+
+
+def test_census_share_names_the_build_a_launch_compiles():
+    """The build key: the configuration, M as partial_rows rounds it, the integer arguments whose
+    values are multiples of 16 (as Triton specializes them), M = 1 a constant; and a token
+    block's parts of row tiles from the even split."""
+    cs = _script("census_share")
+    cfg = {"block_tokens": 64, "fragments": 1, "stages": 2, "halves": False, "max_registers": 128, "programs": 528}
+    # gate_up: Np 17408, NKB 40, 272 tiles x 40 = 10880 steps; 40 tokens launch M = 48
+    assert json.loads(cs.launch_build(2, 17408, 5120, 40, cfg)) == [
+        2, 64, 1, 2, False, 128, ["M", "Np", "STEPS", "PROGRAMS"], False]
+    one = {**cfg, "block_tokens": 8, "stages": 3, "halves": True, "max_registers": None, "programs": 660}
+    assert json.loads(cs.launch_build(2, 17408, 5120, 1, one)) == [2, 8, 1, 3, True, None, ["Np", "STEPS"], True]
+    # 300 x 520: Np 384, NKB 5, 6 tiles x 5 = 30 steps, so 30 programs at most; M = 7
+    assert json.loads(cs.launch_build(3, 300, 520, 7, one))[6:] == [["Np"], False]
+    # 2 tiles x 4 k-blocks among 3 programs: steps [0, 2), [2, 5), [5, 8): each tile cut in two
+    small = {**cfg, "programs": 3}
+    assert cs.steps_and_parts(128, 512, small) == (8, 4)
+    assert cs.steps_and_parts(128, 512, {**small, "programs": 8}) == (8, 8)
+    assert cs.steps_and_parts(128, 512, {**small, "programs": 2}) == (8, 2)
+    rule = cs.rule_config(2, 17408, 5120, 16, 132)
+    assert rule["block_tokens"] == 16 and rule["programs"] >= 132
 
 
 def test_census_dequant_counts_a_program_and_reads_the_part_arms(tmp_path):
