@@ -1,7 +1,7 @@
 """The fp8 decode GEMM on the H200: gates, then timings against cuBLAS and escha's other paths.
 
     python benchmarks/bench_decode_fp8.py --out DIR [--rounds 3] [--ms 64,128,192,256,384,512,640,768,1024]
-        [--shapes gate_up,down,down_8b] [--bits 2|3]
+        [--shapes gate_up,down,down_8b] [--bits 2|3] [--uncapped] [--build-variants] [--previous FILE,...]
 
 Gates first: the e4m3 fragments bit for bit against the reference codec; at every point, before
 its timing, the call against fp64 within the fp8 table (0.077) and the GEMM's partials against the
@@ -12,7 +12,9 @@ scales, operands already e4m3: its activation quantization is not timed); escha.
 (decode_fp8 itself from 129 to 512 tokens);
 the fp16 register-operand kernel (decode_wgmma's rule); the plain-core dequantize-once path
 (dequant-core-fp8); decode_fp8's rule, and above 128 tokens its blocks of 128 (``fp8_bn128``).
-With ``--previous FILE[,FILE...]`` (earlier versions of escha/kernels/decode_fp8.py, e.g. from
+With ``--build-variants``, blocks of 128 tokens also in the builds of BUILD_ARMS (128 weight rows a
+program over 8 warps, capped at 128 registers: two programs an SM, each activation tile read once
+per 128 rows instead of 64), each on one wave of its own occupancy. With ``--previous FILE[,FILE...]`` (earlier versions of escha/kernels/decode_fp8.py, e.g. from
 ``git show REV:...`` saved as decode_fp8_REV.py), each version's rule is one more arm
 (``fp8@REV``, the file name's last ``_`` field), gated as the others: a change measured against
 what it replaces in one process.
@@ -31,7 +33,7 @@ import torch
 import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.format import random_qweight
-from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
+from escha.kernels.decode_fp8 import (MIN_STEPS, config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
                                       mma_order, reference_core)
 from escha.kernels.decode_wgmma import decode_wgmma, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
@@ -44,6 +46,31 @@ from bench_decode_wgmma import (SHAPES, cublas_arms, fp8_weights, packed_weights
 
 FP8_TOL = 0.077  # tests/test_decode_fp8.py
 PARTIALS_TOL = 2.0**-8  # tests/test_decode_fp8.py
+
+#: Builds of the 128-token block beside the rule's (4 warps over 64 rows, a ring of 2, capped at
+#: 168: 3 programs an SM): (label, changes to the configuration, programs an SM). 8 warps over
+#: 128 rows hold 183 registers uncapped (1 an SM) and 128 capped, with no stack, 64 KB of shared
+#: memory at a ring of 2 and 80 KB at 3: 2 an SM, 16 warps against the rule's 12, and each
+#: activation tile read once per 128 weight rows (sm_90a, triton 3.6.0, K=2:
+#: benchmarks/results/fp8_builds/builds.txt). The 256-token build (8 x 2 warps) gained from its
+#: 128-row tiles over 4 warps' 64 (79.6 against 88.7 us on gate_up; note in decode_fp8.py); at
+#: 128 tokens only warpgroups along the tokens were timed.
+BUILD_ARMS = [("w8s2c128", {"warps_m": 8, "stages": 2, "max_registers": 128}, 2),
+              ("w8s3c128", {"warps_m": 8, "stages": 3, "max_registers": 128}, 2)]
+
+
+def build_variants(qw, m: int) -> dict:
+    """Blocks of 128 tokens in the builds of BUILD_ARMS (``fp8_bn128_<label>``), each on one wave
+    at its programs an SM: decode_fp8's grid rule (``_config``) for that occupancy."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    np_, kp = qw.padded_shape
+    base = config_with_block(qw, m, 128, torch.device("cuda"))
+    out = {}
+    for label, changes, per_sm in BUILD_ARMS:
+        steps = np_ // (16 * changes["warps_m"]) * (kp // 128)
+        programs = max(1, min(steps // MIN_STEPS, -(-per_sm * sms // -(-m // 128))))
+        out[f"fp8_bn128_{label}"] = dataclasses.replace(base, programs=programs, **changes)
+    return out
 
 
 def gate_fragments(log) -> bool:
@@ -80,6 +107,8 @@ def main() -> int:
     ap.add_argument("--previous", help="earlier decode_fp8.py files, comma-separated, each timed as an arm fp8@REV")
     ap.add_argument("--uncapped", action="store_true",
                     help="also the rule's build without its register cap (arm fp8_uncapped), where the rule sets one")
+    ap.add_argument("--build-variants", action="store_true",
+                    help="also blocks of 128 tokens in the builds of BUILD_ARMS (arms fp8_bn128_<label>)")
     args = ap.parse_args()
     previous = {"fp8@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
     log, results = start_run(args.out, "decode_fp8.log", gate_fragments)
@@ -98,6 +127,8 @@ def main() -> int:
                     configs["fp8_bn128"] = config_with_block(ws[0], m, 128, torch.device("cuda"))
                 if args.uncapped and cfg.max_registers is not None:  # the same grid, ptxas's own registers
                     configs["fp8_uncapped"] = dataclasses.replace(cfg, max_registers=None)
+                if args.build_variants and m > 64:
+                    configs.update(build_variants(ws[0], m))
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                 arms = {
                     **cublas_arms(xs, dense_rot, fp8_rot),

@@ -87,6 +87,10 @@
 #                  rule (bench_decode_fp8.py --uncapped: offline, K=2 and 3 build in 164-167
 #                  registers uncapped, 3 programs an SM either way), K=2 at 96 and 128 tokens on
 #                  three shapes, K=3 at 128 on two.
+# PHASE "fp8-builds": the fp8 decode GEMM's 128-token block in the builds of bench_decode_fp8.py's
+#                  BUILD_ARMS (8 warps over 128 rows capped at 128 registers, rings of 2 and 3: two
+#                  programs an SM, each activation tile read once per 128 rows) beside the rule's,
+#                  K=2 at FP8_BUILDS_MS (96-256 tokens) on three shapes, K=3 at 128 and 256 on two.
 # PHASE "fp8-ab":  a change to decode_fp8 against what it replaces: its and the dispatcher's GPU
 #                  tests, then bench_decode_fp8.py at FP8_MS (default 128-512 tokens) with
 #                  FP8_PREVIOUS (earlier decode_fp8.py files, comma-separated, each saved as
@@ -141,7 +145,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -285,6 +289,12 @@ case "$phase" in
     step fp8_caps_k2 200 python benchmarks/bench_decode_fp8.py --out "$out/fp8_caps_k2" --rounds 3 --ms 96,128 --uncapped
     step fp8_caps_k3 120 python benchmarks/bench_decode_fp8.py --out "$out/fp8_caps_k3" --rounds 3 --ms 128 \
       --shapes gate_up,down --bits 3 --uncapped
+    ;;
+  fp8-builds)
+    step fp8_builds_k2 330 python benchmarks/bench_decode_fp8.py --out "$out/fp8_builds_k2" --rounds 3 \
+      --ms "${FP8_BUILDS_MS:-96,128,192,256}" --build-variants
+    step fp8_builds_k3 120 python benchmarks/bench_decode_fp8.py --out "$out/fp8_builds_k3" --rounds 3 --ms 128,256 \
+      --shapes gate_up,down --bits 3 --build-variants
     ;;
   caps)
     step caps_k2 280 python benchmarks/bench_decode_wgmma.py --out "$out/caps_k2" --ms "${CAPS_MS:-8,16,32,64}" \
