@@ -202,12 +202,15 @@ def branches(instrs: list[str], labels: dict[str, int], addresses: bool = False)
 def loop_region(sass: str, containing: str | None = None) -> tuple[list[str], dict[str, int], int, int]:
     """The listing's instructions and labels (``sass_instructions``) and the first and last
     position of the loop body: the longest region closed by a backward branch; with
-    ``containing`` (an opcode), the shortest such region that holds it (the innermost loop
-    around it, where an outer loop encloses the step loop). (0, 0) when there is none."""
+    ``containing`` (an opcode), the shortest region closed by a predicated backward branch that
+    holds it (the innermost loop around it, where an outer loop encloses the step loop; an
+    unconditional jump back, as from out-of-line code to the middle of a loop, closes none). (0,
+    0) when there is none."""
     instrs, labels = sass_instructions(sass)
     regions = [(target, i) for i, target in branches(instrs, labels) if target <= i]
     if containing is not None:
-        regions = [r for r in regions if containing in opcode_counts(instrs[r[0]:r[1] + 1])]
+        regions = [r for r in regions if instrs[r[1]].startswith("@")
+                   and containing in opcode_counts(instrs[r[0]:r[1] + 1])]
         best = min(regions, key=lambda r: r[1] - r[0], default=(0, 0))
     else:
         best = max(regions, key=lambda r: r[1] - r[0], default=(0, 0))

@@ -731,6 +731,17 @@ def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
         "        /*0050*/               @!P2 BRA `(.L_x_0) ;"])
     assert cs.loop_census(nested) == {"IMAD": 1, "LOP3": 1, "QGMMA": 1, "BRA": 2, "STG": 1}
     assert cs.loop_census(nested, containing="QGMMA") == {"LOP3": 1, "QGMMA": 1, "BRA": 1}
+    # Out-of-line code that jumps back (unconditionally) to a label inside the step loop closes a
+    # shorter region around the MMA than the loop itself: it is not the loop.
+    rotated = "\n".join([
+        ".L_x_0:",
+        "        /*0000*/                   IMAD R2, R3, R4, R5 ;",
+        "        /*0010*/                   STSM.16.M88.4 [R8], R12 ;",
+        ".L_x_1:",
+        "        /*0020*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR20], R24 ;",
+        "        /*0030*/               @!P1 BRA `(.L_x_0) ;",
+        "        /*0040*/                   BRA `(.L_x_1) ;"])
+    assert cs.loop_census(rotated, containing="QGMMA") == {"IMAD": 1, "STSM": 1, "QGMMA": 1, "BRA": 1}
     ms = (1, 8, 9, 16, 24, 64, 65, 200, 300)
     assert [cs.token_block(m) for m in ms] == [8, 8, 16, 16, 32, 64, 128, 128, 128]
     from escha.format import random_qweight
