@@ -59,7 +59,7 @@ from escha.bench.report import git_sha  # noqa: E402
 from escha.format.spec import padded  # noqa: E402
 from escha.kernels.decode_fp8 import BUILDS, rule_block  # noqa: E402
 from escha.kernels.decode_wgmma import (BLOCK_K, HOPPER_SMS, config_with_programs, partial_rows,  # noqa: E402
-                                        rule_variant, segment_counts, tiles_and_steps)
+                                        segment_counts, tiles_and_steps)
 
 # Gluon is compiled in a child process, away from any interpreter state (tests/test_decode_wgmma.py).
 # BUILDS: the JSON keys of ``launch_build``.
@@ -159,11 +159,6 @@ def fp8_census() -> dict[str, dict]:
     return census
 
 
-def token_block(m: int) -> int:
-    """decode_wgmma_config's token block for m tokens."""
-    return rule_variant(m, 2)[0]
-
-
 def measured_points(args, arm: str = "wgmma", max_m: int = 256) -> tuple[list[tuple], dict]:
     """(shape, N, K, M, whole-call µs, bits, configuration) of every gated decode point up to 256
     tokens, and the run's GPU, SMs, clock and commit: from the dense sweep (K=2, no configuration
@@ -214,7 +209,7 @@ def main() -> None:
     census = fp8_census() if fp8 else {}
     configs = [None if fp8 else cfg or rule_config(bits, n, k, m, sms) for _, n, k, m, _, bits, cfg in points]
     if not fp8:  # each point's build, compiled once
-        keys = sorted({launch_build(p[5], p[1], p[2], p[3], cfg) for p, cfg in zip(points, configs)})
+        keys = sorted({launch_build(bits, n, k, m, cfg) for (_, n, k, m, _, bits, _), cfg in zip(points, configs)})
         sass = compile_in_child(_COMPILE.replace("BUILDS", repr(keys)), ROOT, what="the kernel")
     rows = []
     for (shape, n, k, m, us, bits, _), cfg in zip(points, configs):
@@ -232,8 +227,7 @@ def main() -> None:
                      "share": floor_us / us})
     source = args.bench or args.sweep
     meta_out = {"sweep": os.path.relpath(source, ROOT), "sweep_git": meta["git_sha"], "census_git": git_sha(),
-                "gpu": meta["gpu"],
-                "clock_hz": clock, "sms": sms, "kernel": args.kernel,
+                "gpu": meta["gpu"], "clock_hz": clock, "sms": sms, "kernel": args.kernel,
                 "arm": ("fp8" if fp8 else "wgmma") if args.bench else args.arm, "int_ops": list(INT_OPS)}
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta_out, "census": census, "rows": rows}, f, indent=1)

@@ -705,9 +705,9 @@ def test_llm_models_and_a_missing_one(monkeypatch, capsys):
 
 
 # -- benchmarks/census_share.py ----------------------------------------------------------------
-def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
+def test_census_share_counts_the_loop():
     """The census counts the longest region closed by a backward branch (predicates and
-    modifiers stripped), and M maps to decode_wgmma_config's token block."""
+    modifiers stripped); around an opcode, the innermost loop that holds it."""
     cs = _script("census_share")
     sass = "\n".join([
         "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
@@ -742,12 +742,6 @@ def test_census_share_counts_the_loop_and_maps_tokens_to_blocks():
         "        /*0030*/               @!P1 BRA `(.L_x_0) ;",
         "        /*0040*/                   BRA `(.L_x_1) ;"])
     assert cs.loop_census(rotated, containing="QGMMA") == {"IMAD": 1, "STSM": 1, "QGMMA": 1, "BRA": 1}
-    ms = (1, 8, 9, 16, 24, 64, 65, 200, 300)
-    assert [cs.token_block(m) for m in ms] == [8, 8, 16, 16, 32, 64, 128, 128, 128]
-    from escha.format import random_qweight
-    from escha.kernels.decode_wgmma import decode_wgmma_config
-    qw = random_qweight(256, 1024, bits=2, seed=0)
-    assert [cs.token_block(m) for m in ms] == [decode_wgmma_config(qw, m).block_tokens for m in ms]
 
 
 def test_census_share_reads_a_decode_bench_result(tmp_path):
