@@ -59,7 +59,8 @@
 # PHASE "ncu-loop": ncu (--set full, with the stall reasons per issued instruction) of the
 #                  register-operand GEMM at gate_up 8, 40, 48 and 64 tokens: issue #12's summary at 8
 #                  and 64 of the loop as it is, and 40 beside 48 (the same build and partials since
-#                  decode_wgmma.partial_rows; 40 is 15% slower: docs/KERNELS.md, "40 tokens").
+#                  decode_wgmma.partial_rows; 40 is 15% slower: docs/KERNELS.md, "40 tokens"), and
+#                  their summary table (benchmarks/ncu_summary.py: ncu_summary.md).
 # PHASE "investigate": what the even-split numbers left open (docs/KERNELS.md, "Next, from these
 #                  numbers"): ncu of the GEMM loop at gate_up M=8 and M=64 (issue slots, and the
 #                  stall reasons per issued instruction, which the text report leaves out),
@@ -270,6 +271,7 @@ case "$phase" in
         --launch-count 1 --set full --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         python benchmarks/profile_decode.py --shape gate_up --m "$m" --calls 8
     done
+    step ncu_summary 30 python benchmarks/ncu_summary.py "$out"/ncu_gemm_gate_up_m{8,40,48,64}.txt --md "$out/ncu_summary.md"
     ;;
   investigate)
     for m in 8 64; do

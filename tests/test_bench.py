@@ -817,6 +817,55 @@ def test_census_share_names_the_build_a_launch_compiles():
     assert rule["block_tokens"] == 16 and rule["programs"] >= 132
 
 
+# -- benchmarks/ncu_summary.py -----------------------------------------------------------------
+NCU_REPORT = """==PROF== Profiling "_decode_wgmma_kernel": 0%....50%....100% - 38 passes
+  _decode_wgmma_kernel (528, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: Command line profiler metrics
+    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio                   inst         0.24
+    smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio        inst         0.91
+    smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio              inst         1.03
+    smsp__average_warps_issue_stalled_selected_per_issue_active.ratio                  inst         1.00
+    smsp__average_warps_issue_stalled_wait_per_issue_active.ratio                      inst         0.89
+    Section: GPU Speed Of Light Throughput
+    SM Frequency                    Ghz         1.79
+    Elapsed Cycles                cycle       56,512
+    Duration                         us        31.71
+    Section: Compute Workload Analysis
+    Issue Slots Busy               %        56.19
+    Section: Scheduler Statistics
+    One or More Eligible                   %        64.37
+    Active Warps Per Scheduler          warp         3.46
+    Eligible Warps Per Scheduler        warp         1.31
+    Section: Warp State Statistics
+    Warp Cycles Per Issued Instruction             cycle         5.38
+    Section: Launch Statistics
+    Registers Per Thread             register/thread             119
+    Section: Occupancy
+    Block Limit Registers                 block            4
+    Block Limit Shared Mem                block            4
+    Block Limit Warps                     block           16
+    Achieved Occupancy                        %        21.60
+"""
+
+
+def test_ncu_summary_reads_a_report():
+    """A report's row: the launch, the tightest block limits, the scheduler and warp-state figures,
+    and the stall reasons largest first without the issue itself ("selected"), at most ``top``."""
+    ns = _script("ncu_summary")
+    row = ns.summary_row(ns.parse(NCU_REPORT), top=3)
+    assert row["kernel"] == "_decode_wgmma_kernel" and row["grid"] == "528 x 1" and row["threads"] == 128
+    assert row["registers"] == 119 and row["programs_per_sm"] == 4 and row["bound_by"] == ["registers", "shared mem"]
+    assert row["issue_slots_busy_pct"] == 56.19 and row["active_warps"] == 3.46 and row["eligible_warps"] == 1.31
+    assert row["cycles_per_issue"] == 5.38 and row["sm_ghz"] == 1.79 and row["duration_us"] == 31.71
+    assert row["stalls"] == [("not_selected", 1.03), ("math_pipe_throttle", 0.91), ("wait", 0.89)]
+    assert ns.parse(NCU_REPORT)["metrics"]["Elapsed Cycles"] == 56512  # thousands separators
+    assert ns.label("out/ncu_gemm_gate_up_m64.txt") == "m64" and ns.label("x/report.txt") == "report"
+    table = ns.markdown([("m8", row)])
+    assert "| m8 | _decode_wgmma_kernel | 528 x 1 | 119 | 4 (registers, shared mem) | 21.6% | 3.46 / 1.31 | 56.2% |" in table
+    with pytest.raises(ValueError, match="no kernel launch line"):
+        ns.parse("    Duration   us   3.0")
+
+
 def test_census_dequant_counts_a_program_and_reads_the_part_arms(tmp_path):
     """A straight-line kernel is counted whole (predicates and modifiers stripped); per weight a
     warp instruction counts 32 lanes per warp; the measured time is the median over M of the
