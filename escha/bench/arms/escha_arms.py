@@ -19,9 +19,11 @@ FP8_TOLERANCE = 8e-2
 
 BITS = 2
 # Integer ops per decoded weight, for the codec-floor column: the fewest any escha kernel issues,
-# the register-operand decode loop's at K=2 (4.78: IMAD, LOP3, PRMT, HADD2, SHF per 128 weights,
-# benchmarks/results/decode_wgmma_census.json, sm_90a SASS). The same floor for every path.
-INT_OPS_PER_WEIGHT = 4.78
+# a step of the register-operand decode loop at K=2 and one token (3.69: IMAD, LOP3, PRMT, SHF and
+# the like, the tile-end store counted once a part of a row tile; gate_up's census in
+# benchmarks/results/exact_hadd_h200/final/census_share.json, sm_90a SASS). The same floor for
+# every path.
+INT_OPS_PER_WEIGHT = 3.69
 # The activations the target models run in, as the cuBLAS arms get them. With fp16 the
 # dequant-fp8 path pays a cast of its whole bf16 output (torch._scaled_mm's row-wise kernels
 # return bf16 only), up to 35% of its time at M = 8192 (docs/KERNELS.md, Prefill).
