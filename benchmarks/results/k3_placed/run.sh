@@ -14,11 +14,12 @@ git apply benchmarks/results/k3_placed/candidate.patch 2>/dev/null || patch -p1 
 timeout 150 python -m pytest -q -m gpu tests/test_decode_wgmma.py tests/test_decode_fp8.py -p no:cacheprovider \
     > $O/gpu_tests.txt 2>&1
 tail -n 2 $O/gpu_tests.txt
+bash benchmarks/results/k3_placed/make_mulhi.sh || exit 1  # the other form, as arms wgmma@mulhi, fp8@mulhi
 timeout 170 python benchmarks/bench_decode_wgmma.py --out $O/wgmma_k3 --bits 3 --ms 1,8,16,32,64 \
-    --shapes gate_up,down,down_8b --rounds 3 --previous .prev/decode_wgmma_$REV.py > $O/wgmma_k3.txt 2>&1
+    --shapes gate_up,down,down_8b --rounds 3 --previous .prev/decode_wgmma_$REV.py,.prev/decode_wgmma_mulhi.py > $O/wgmma_k3.txt 2>&1
 grep -E "^(gate_up|down|GATE)" $O/wgmma_k3/decode_wgmma.log | cut -c1-260
 timeout 120 python benchmarks/bench_decode_fp8.py --out $O/fp8_k3 --bits 3 --ms 96,128,256 --shapes gate_up,down \
-    --rounds 3 --previous .prev/decode_fp8_$REV.py > $O/fp8_k3.txt 2>&1
+    --rounds 3 --previous .prev/decode_fp8_$REV.py,.prev/decode_fp8_mulhi.py > $O/fp8_k3.txt 2>&1
 grep -E "^(gate_up|down|GATE)" $O/fp8_k3/decode_fp8.log | cut -c1-260
 ESCHA_SANITIZER_PATHS=decode-wgmma,decode-fp8 ESCHA_SANITIZER_MS=1,16,100 ESCHA_SANITIZER_GRID=small timeout 120 \
     benchmarks/run_sanitizer.sh $O/sanitizer.txt > /dev/null 2>&1
