@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepared for one H200 call, not run yet: the K=3 codec's states placed in the top half of a word
-# and taken out by shr / mul.hi (candidate.patch; README.md). The device copy is patched in place;
+# and shifted down (candidate.patch; README.md), and its mul.hi form as two more arms. The device copy is patched in place;
 # the arm before is the commit the patch applies to (.prev/, from
-# ../shift_state_h200/make_prev.sh REV, carried).
+# `benchmarks/snapshot_kernels.sh REV REV`, carried).
 # Usage on the device: ESCHA_GIT_SHA=<REV>+k3placed REV=<REV> bash benchmarks/results/k3_placed/run.sh
 set -u
 export PYTHONPATH=$PWD

@@ -5,7 +5,7 @@
 # zero-fills 24 rows of each 64-row box. candidate.patch allocates x' with partial_rows(M) rows
 # (the input transform writes the tokens' rows only; the rows past them feed partial rows the
 # output transform never reads). The device copy is patched in place; the arm before is the
-# commit the patch applies to (.prev/, from ../shift_state_h200/make_prev.sh REV, carried).
+# commit the patch applies to (.prev/, from `benchmarks/snapshot_kernels.sh REV REV`, carried).
 # Usage on the device: ESCHA_GIT_SHA=<REV>+xpad REV=<REV> bash benchmarks/results/xpad_h200/run.sh
 set -u
 export PYTHONPATH=$PWD
