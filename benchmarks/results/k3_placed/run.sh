@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepared for one H200 call, not run yet: the K=3 codec's states placed in the top half of a word
-# and shifted down (candidate.patch; README.md), and its mul.hi form as two more arms. The device copy is patched in place;
-# the arm before is the commit the patch applies to (.prev/, from
+# and shifted down (candidate.patch; README.md), and its mul.hi form as two more arms. The device
+# copy is patched in place; the arm before is the commit the patch applies to (.prev/, from
 # `benchmarks/snapshot_kernels.sh REV REV`, carried).
 # Usage on the device: ESCHA_GIT_SHA=<REV>+k3placed REV=<REV> bash benchmarks/results/k3_placed/run.sh
 set -u
