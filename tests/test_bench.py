@@ -817,6 +817,31 @@ def test_census_share_names_the_build_a_launch_compiles():
     assert rule["block_tokens"] == 16 and rule["programs"] >= 132
 
 
+# -- benchmarks/snapshot_kernels.sh ------------------------------------------------------------
+def test_snapshot_kernels_copies_import_each_other(tmp_path):
+    """The snapshot's decode modules import their own transforms and decode_wgmma copies (so a
+    candidate that changes the input transform leaves the earlier arm as it was), with SED applied
+    to the wgmma copy, and load as the --previous arms do."""
+    import pathlib
+    import shutil
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (tmp_path / "escha" / "kernels").mkdir(parents=True)
+    for name in ("decode_wgmma.py", "decode_fp8.py", "transforms.py"):
+        shutil.copy(root / "escha" / "kernels" / name, tmp_path / "escha" / "kernels" / name)
+    env = {**os.environ, "SED": "s/^MAX_TOKENS = 128 /MAX_TOKENS = 64 /"}
+    subprocess.run(["bash", str(root / "benchmarks" / "snapshot_kernels.sh"), "snap"], cwd=tmp_path, env=env,
+                   check=True)
+    bd = _script("bench_decode")
+    fp8 = bd.load_previous(str(tmp_path / ".prev" / "decode_fp8_snap.py"))
+    assert fp8.prepare_input.__module__ == "escha.kernels._transforms_snap"
+    assert fp8._packed.__module__ == "escha.kernels._decode_wgmma_snap"
+    wgmma = sys.modules["escha.kernels._decode_wgmma_snap"]
+    assert wgmma.prepare_input.__module__ == "escha.kernels._transforms_snap" and wgmma.MAX_TOKENS == 64
+    import escha.kernels.decode_wgmma  # noqa: F401
+    assert sys.modules["escha.kernels.decode_wgmma"].MAX_TOKENS == 128  # the package's own, untouched
+
+
 # -- benchmarks/ncu_summary.py -----------------------------------------------------------------
 NCU_REPORT = """==PROF== Profiling "_decode_wgmma_kernel": 0%....50%....100% - 38 passes
   _decode_wgmma_kernel (528, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
