@@ -10,7 +10,10 @@ issues to both FMA pipes) and on the ALU pipe (the other integer, logic, shift a
 SGXT among them). Pipe classes: NVIDIA's description of GH100's math pipes (developer forums,
 "Separate CUDA core pipeline for FP16 and FP32", 2024: IMAD on FMA-heavy, FP16x2 dual-issued to
 FMA-heavy and FMA-lite; the ALU pipe executes INT32 except IMAD, logic, binary and data movement).
-F2FP (the e4m3 conversion) is listed apart: its pipe is not documented there.
+F2FP (the e4m3 conversion) is listed apart: its pipe is not documented there. The cycles a
+warp's step needs at least, on one scheduler: the larger of its instructions (one issue a cycle)
+and twice its ALU or its FMA-heavy instructions (a 16-lane pipe takes a warp instruction in two
+cycles); latencies, barriers and the other warps come on top.
 """
 import os
 import sys
@@ -32,11 +35,15 @@ ALU = ("LOP3", "SHF", "PRMT", "SGXT", "ISETP", "LEA", "SEL", "IADD3", "IMNMX", "
 
 
 def line(name: str, counts: dict) -> str:
+    """One build's counts, and the cycles a warp's step needs at least on one scheduler: one issue
+    a cycle, and two cycles of its pipe for each ALU or FMA-heavy instruction (16 lanes a pipe)."""
     fma = sum(counts.get(op, 0) for op in FMA_HEAVY)
     alu = sum(counts.get(op, 0) for op in ALU)
+    total = sum(counts.values())
+    bound = max((total, "issue"), (2 * alu, "ALU"), (2 * fma, "FMA-heavy"))
     top = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n >= 16)
-    return (f"{name}: {sum(counts.values())} instructions a step; FMA-heavy {fma}, ALU {alu}, F2FP "
-            f"{counts.get('F2FP', 0)}; bound by {'FMA-heavy' if fma >= alu else 'ALU'} at {max(fma, alu)} ({top})")
+    return (f"{name}: {total} instructions a step; FMA-heavy {fma}, ALU {alu}, F2FP {counts.get('F2FP', 0)}; "
+            f"at least {bound[0]} cycles ({bound[1]}; 2 x ALU {2 * alu}, 2 x FMA-heavy {2 * fma}) ({top})")
 
 
 def main() -> None:
