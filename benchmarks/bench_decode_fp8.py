@@ -14,10 +14,11 @@ the fp16 register-operand kernel (decode_wgmma's rule); the plain-core dequantiz
 (dequant-core-fp8); decode_fp8's rule, and above 128 tokens its blocks of 128 (``fp8_bn128``).
 With ``--build-variants``, blocks of 128 tokens also in the builds of BUILD_ARMS (128 weight rows a
 program over 8 warps, capped at 128 registers: two programs an SM, each activation tile read once
-per 128 rows instead of 64), each on one wave of its own occupancy. With ``--previous FILE[,FILE...]`` (earlier versions of escha/kernels/decode_fp8.py, e.g. from
-``git show REV:...`` saved as decode_fp8_REV.py), each version's rule is one more arm
-(``fp8@REV``, the file name's last ``_`` field), gated as the others: a change measured against
-what it replaces in one process.
+per 128 rows instead of 64), each on one wave of its own occupancy. With ``--previous
+FILE[,FILE...]`` (earlier versions of escha/kernels/decode_fp8.py, e.g. made by
+``benchmarks/snapshot_kernels.sh LABEL REV`` as .prev/decode_fp8_LABEL.py), each version's rule
+is one more arm (``fp8@LABEL``, the file name's last ``_`` field), gated as the others: a change
+measured against what it replaces in one process.
 """
 from __future__ import annotations
 
