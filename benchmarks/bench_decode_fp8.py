@@ -34,8 +34,8 @@ import torch
 import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.format import random_qweight
-from escha.kernels.decode_fp8 import (MIN_STEPS, config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
-                                      mma_order, reference_core)
+from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
+                                      mma_order, reference_core, wave_programs)
 from escha.kernels.decode_wgmma import decode_wgmma, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
 from escha.kernels.transforms import prepare_input
@@ -62,16 +62,12 @@ BUILD_ARMS = [("w8s2c128", {"warps_m": 8, "stages": 2, "max_registers": 128}, 2)
 
 def build_variants(qw, m: int) -> dict:
     """Blocks of 128 tokens in the builds of BUILD_ARMS (``fp8_bn128_<label>``), each on one wave
-    at its programs an SM: decode_fp8's grid rule (``_config``) for that occupancy."""
+    at its programs an SM (decode_fp8's grid rule, ``wave_programs``)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    np_, kp = qw.padded_shape
     base = config_with_block(qw, m, 128, torch.device("cuda"))
-    out = {}
-    for label, changes, per_sm in BUILD_ARMS:
-        steps = np_ // (16 * changes["warps_m"]) * (kp // 128)
-        programs = max(1, min(steps // MIN_STEPS, -(-per_sm * sms // -(-m // 128))))
-        out[f"fp8_bn128_{label}"] = dataclasses.replace(base, programs=programs, **changes)
-    return out
+    return {f"fp8_bn128_{label}": dataclasses.replace(
+                base, programs=wave_programs(qw.padded_shape, m, 128, changes["warps_m"], per_sm, sms), **changes)
+            for label, changes, per_sm in BUILD_ARMS}
 
 
 def gate_fragments(log) -> bool:

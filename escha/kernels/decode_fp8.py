@@ -346,15 +346,23 @@ def config_with_block(qw: QuantizedWeight, m: int, block_tokens: int | None,
     return _config(*qw.padded_shape, m, block_tokens, device)
 
 
+def wave_programs(padded_shape: tuple[int, int], m: int, block_tokens: int, warps_m: int, per_sm: int,
+                  sms: int) -> int:
+    """Programs a token block takes: one wave of ``per_sm`` programs on each of ``sms`` SMs, shared
+    among m's blocks of ``block_tokens``, each program at least MIN_STEPS of the weight's (row
+    tile of 16 ``warps_m`` rows, k-block) steps (the rule's grid, for any build's occupancy)."""
+    np_, kp = padded_shape
+    steps = np_ // (16 * warps_m) * (kp // BLOCK_K)
+    return max(1, min(steps // MIN_STEPS, triton.cdiv(per_sm * sms, triton.cdiv(m, block_tokens))))
+
+
 @functools.lru_cache(maxsize=4096)
 def _config(np_: int, kp: int, m: int, block_tokens: int | None, device: torch.device | None) -> DecodeFp8Config:
     block_tokens = rule_block(m) if block_tokens is None else block_tokens
     stages, warps_m, warps_n, cap = BUILDS[block_tokens]
     on_gpu = device is not None and device.type == "cuda" and torch.cuda.is_available()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else HOPPER_SMS
-    steps = np_ // (16 * warps_m) * (kp // BLOCK_K)
-    slots = PROGRAMS_PER_SM[block_tokens] * sms
-    programs = max(1, min(steps // MIN_STEPS, triton.cdiv(slots, triton.cdiv(m, block_tokens))))
+    programs = wave_programs((np_, kp), m, block_tokens, warps_m, PROGRAMS_PER_SM[block_tokens], sms)
     return DecodeFp8Config(block_tokens=block_tokens, stages=stages, warps_m=warps_m, warps_n=warps_n,
                            programs=programs, dependent_launch=device is None or dependent_launch_supported(device),
                            max_registers=cap)
