@@ -368,11 +368,12 @@ def _config(np_: int, kp: int, m: int, block_tokens: int | None, device: torch.d
                            max_registers=cap)
 
 
-def gemm_source(bits: int, block_tokens: int, pdl: bool = True):
-    """The GEMM kernel in the rule's build of ``block_tokens`` (BUILDS), specialized as a launch
-    specializes it, for ``triton.compile`` off the GPU (the tests' sm_90a builds)."""
+def gemm_source(bits: int, block_tokens: int, pdl: bool = True, build: tuple[int, int, int] | None = None):
+    """The GEMM kernel in the rule's build of ``block_tokens`` (BUILDS), or in ``build`` (stages,
+    warps_m, warps_n), specialized as a launch specializes it, for ``triton.compile`` off the GPU
+    (the tests' and the census's sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    stages, wm, wn, _ = BUILDS[block_tokens]
+    stages, wm, wn = build or BUILDS[block_tokens][:3]
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
            "words_ptr": "*i32", "ws_ptr": "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",

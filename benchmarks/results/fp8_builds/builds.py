@@ -10,7 +10,6 @@ import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 
 import escha.kernels.decode_fp8  # noqa: F401  (the package re-exports the op under the module's name)
 from escha.kernels.compile_check import cuobjdump, programs_per_sm, res_usage
@@ -19,14 +18,7 @@ d = sys.modules["escha.kernels.decode_fp8"]
 
 
 def build(bits: int, bn: int, stages: int, wm: int, wn: int, cap: int | None) -> str:
-    sig = {"x_desc": f"tensordesc<fp8e4nv[{bn}, 128],{d.x_smem_layout(bn)!r}>", "words_ptr": "*i32",
-           "ws_ptr": "*fp32", "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
-           "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "WM": "constexpr", "WN": "constexpr",
-           "A_SMEM": "constexpr", "PDL": "constexpr"}
-    src = GluonASTSource(d._decode_fp8_kernel, sig,
-                         constexprs={"BITS": bits, "BN": bn, "STAGES": stages, "WM": wm, "WN": wn,
-                                     "A_SMEM": d.a_smem_layout(16 * wm), "PDL": True},
-                         attrs={(1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
+    src = d.gemm_source(bits, bn, build=(stages, wm, wn))
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": wm * wn, "launch_pdl": True, **({"maxnreg": cap} if cap else {})})
     r = res_usage(k.asm["cubin"])
