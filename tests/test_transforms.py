@@ -75,7 +75,7 @@ import triton.language as tl  # noqa: E402
 
 from escha.format import block_hadamard, row_scale  # noqa: E402
 from escha.kernels import transforms  # noqa: E402
-from escha.kernels.common import hadamard128  # noqa: E402
+from escha.kernels.common import hadamard128, row_sum128  # noqa: E402
 from escha.kernels.transforms import hadamard_output  # noqa: E402
 from escha.norm import HeadNorm  # noqa: E402
 
@@ -84,6 +84,30 @@ from escha.norm import HeadNorm  # noqa: E402
 def _hadamard128_rows(x_ptr, y_ptr, R: tl.constexpr):
     offs = tl.program_id(0) * R * 128 + tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :]
     tl.store(y_ptr + offs, hadamard128(tl.load(x_ptr + offs)))
+
+
+@triton.jit
+def _row_sum128_rows(x_ptr, y_ptr, R: tl.constexpr):
+    offs = tl.program_id(0) * R * 128 + tl.arange(0, R)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(y_ptr + offs, row_sum128(tl.load(x_ptr + offs)))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16])
+@pytest.mark.parametrize("warps", [1, 4])
+def test_row_sum128_is_its_fixed_tree(rows, warps):
+    """Every element of a row holds the row's sum by one fixed tree (stage k adds the partner
+    across index bit 6 - k, in fp32), bit for bit, for any rows a program and warps; the outputs
+    poisoned first."""
+    g = torch.Generator().manual_seed(rows * 10 + warps)
+    x = torch.randn(2 * rows, 128, generator=g) * torch.logspace(-4, 4, 128)[torch.randperm(128, generator=g)]
+    want = x.clone()
+    idx = torch.arange(128)
+    for bit in range(6, -1, -1):
+        want = want + want[:, idx ^ (1 << bit)]
+    assert (want == want[:, :1]).all()  # a + b == b + a: every column holds the same sum
+    y = torch.full_like(x, float("nan")).to(DEV)
+    _row_sum128_rows[(2,)](x.to(DEV), y, R=rows, num_warps=warps)
+    assert torch.equal(y.cpu(), want)
 
 
 def sylvester(n: int) -> torch.Tensor:
@@ -186,18 +210,25 @@ def test_output_shape_rule():
 
 
 @pytest.mark.parametrize("m", [1, 7, 17])
-def test_hadamard_output_launch_shapes_give_the_same_bits(m):
+@pytest.mark.parametrize("head", [False, True])
+def test_hadamard_output_launch_shapes_give_the_same_bits(m, head):
     """Any launch shape (tokens, warps) a program gives the default shape's bits: a ragged last
-    program masks its padded rows, and no element's operations change."""
+    program masks its padded rows, and no element's operations change; with a head norm too (its
+    mean square by row_sum128's fixed tree: tl.sum's order moved with the warps on the H200)."""
     g = torch.Generator().manual_seed(m)
     qw = random_qweight(300, 256, 2, seed=m, device=DEV)
     z = torch.randn(3, m, qw.padded_shape[0], generator=g).to(DEV)
     inv = torch.exp2(torch.randint(-5, 6, (m,), generator=g).float()).to(DEV)
-    want = hadamard_output(z, qw, inv, torch.full((m, 300), float("nan"), dtype=torch.bfloat16, device=DEV))
+    hn = None
+    if head:
+        hn = HeadNorm((torch.rand(384, generator=g) + 0.5).to(DEV, torch.bfloat16),
+                      torch.tensor([1, 1, 0], dtype=torch.int8, device=DEV), 1e-6)  # the ragged block plain
+    want = hadamard_output(z, qw, inv, torch.full((m, 300), float("nan"), dtype=torch.bfloat16, device=DEV),
+                           head_norm=hn)
     assert torch.isfinite(want).all()
     for shape in [(1, 1), (2, 2), (4, 4), (8, 4), (16, 4)]:
         got = hadamard_output(z, qw, inv, torch.full((m, 300), float("nan"), dtype=torch.bfloat16, device=DEV),
-                              shape=shape)
+                              shape=shape, head_norm=hn)
         assert torch.equal(got, want), shape
     with pytest.raises(ValueError, match="shape must be"):
         hadamard_output(z, qw, inv, torch.empty(m, 300, dtype=torch.bfloat16, device=DEV), shape=(3, 4))

@@ -362,6 +362,22 @@ def hadamard128(x):
 
 
 @triton.jit
+def row_sum128(x):
+    """x [R, 128] (fp32) with every element of row r replaced by the row's sum, summed by a fixed
+    tree: seven stages, each adding to every element its partner across one index bit (fetched
+    exactly as in ``hadamard128``). The pair's two sums are a + b and b + a, equal in IEEE
+    arithmetic, so the tree and its bits depend on the column indices alone, not on the layout,
+    warps or lanes that hold the row; ``tl.sum``'s order does depend on them (and so did a head
+    norm's bits on the output transform's launch shape)."""
+    R: tl.constexpr = x.shape[0]
+    y = tl.reshape(x, [R, 2, 2, 2, 2, 2, 2, 2])
+    for k in tl.static_range(7):  # axis k + 1 holds index bit 6 - k
+        yi = y.to(tl.uint32, bitcast=True)
+        y = y + (tl.sum(yi, axis=k + 1, keep_dims=True) - yi).to(tl.float32, bitcast=True)
+    return tl.reshape(y, [R, 128])
+
+
+@triton.jit
 def row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, mask):
     """g*c*su for output channels n, in fp32, multiplied in escha.format.row_scale's order."""
     g = tl.load(gscale_ptr)

@@ -24,7 +24,7 @@ from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
 from .common import (FP8_DTYPE, INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, constant_vector, dot_dtype, hadamard128,
                      hadamard_operand, interpreted, load_hadamard, prepare, release_dependents, round_to,
-                     row_scale_block, wait_for_producer)
+                     row_scale_block, row_sum128, wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
 INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
@@ -305,9 +305,11 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
     if HEAD_NORM:
         OUT: tl.constexpr = y_ptr.dtype.element_ty
         yr = round_to(y, OUT).to(tl.float32)  # the projection's output, as the model's norm reads it
-        rstd = tl.rsqrt(tl.sum(yr * yr, axis=1) / 128.0 + heps)
+        # The mean square by a fixed tree (row_sum128: the same bits for any BM and warps). A bf16
+        # or fp16 yr squares exactly in fp32, so a multiply fused into the first add rounds the same.
+        rstd = tl.rsqrt(row_sum128(yr * yr) / 128.0 + heps)
         w = tl.load(hw_ptr + n).to(tl.float32)
-        yn = round_to(w * round_to(yr * rstd[:, None], OUT).to(tl.float32), OUT).to(tl.float32)
+        yn = round_to(w * round_to(yr * rstd, OUT).to(tl.float32), OUT).to(tl.float32)
         y = tl.where(tl.load(hb_ptr + nb) != 0, yn, y)
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
 
