@@ -49,12 +49,33 @@ def test_column_order_keeps_a_threads_tiles():
     assert torch.equal(reg[:, 3] - reg[:, 0], torch.full((32,), 24))
 
 
+def test_x16_codec_is_16_times_the_codec_exactly():
+    """The fp8 GEMM's codec (``decode_wgmma._pair_values_x16``): xor constant 0x4B60 in place of
+    3INST's 0x3B60 makes each half 16 times its value, and the halves' fp16 sum 16 times 3INST's
+    value, bit for bit, for all 65536 states; 16 T stays below e4m3's 448."""
+    from escha.format import codebooks
+    s = torch.arange(1 << 16, dtype=torch.int64)
+    x = (s * 89226354 + 64248484) % 2**32
+
+    def halves_sum(const: int) -> torch.Tensor:
+        w = (x & 0x8FFF8FFF) ^ const
+        lo = (w & 0xFFFF).to(torch.int16).view(torch.float16)
+        hi = ((w >> 16) & 0xFFFF).to(torch.int16).view(torch.float16)
+        return lo + hi  # one fp16 addition, rounded to nearest even
+
+    t = halves_sum(0x3B603B60)
+    assert torch.equal(t.view(torch.int16), codebooks.get("3inst").values(s.to(torch.int32)).view(torch.int16))
+    t16 = halves_sum(0x4B604B60)
+    assert torch.equal(t16.float(), t.float() * 2**df.DECODE_FP8_SCALE_LOG2.value)
+    assert float(t16.float().abs().max()) < 64
+
+
 @pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (70, 520)])
 @pytest.mark.parametrize("outlier", [False, True])
 @pytest.mark.parametrize("mma_order", [True, False])
 def test_input_transform_fp8(m, k, outlier, mma_order):
     """The input transform's fp8 form (Triton interpreter on the CPU): x' * 2**e rounded to e4m3
-    (|x' 2**e| <= 2**8, so no saturation), in the fp8 MMA column order with 2**-e / 64 or in x's
+    (|x' 2**e| <= 2**8, so no saturation), in the fp8 MMA column order with 2**-e / 16 (decode_fp8's weights are 16 T) or in x's
     own order with 2**-e: back in T's order and scaled, each value is x' within e4m3's rounding
     (half an ulp: 2**-4 relative, or 2**-10 2**-e below the normal range), also for a row with a
     1000x outlier."""
@@ -70,7 +91,7 @@ def test_input_transform_fp8(m, k, outlier, mma_order):
     back = torch.empty_like(xq.float())
     for b in range(xq.shape[1] // 128):
         back[:, 128 * b + order] = xq.float()[:, 128 * b:128 * b + 128]
-    step = (inv * (64 if mma_order else 1)).double()[:, None]  # 2**-e
+    step = (inv * (2**df.DECODE_FP8_SCALE_LOG2.value if mma_order else 1)).double()[:, None]  # 2**-e
     got = back.double() * step
     want = input_transform(x.double(), qw).double()
     assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
@@ -91,7 +112,7 @@ def test_input_transform_fp8_applies_the_norm(dtype):
     back = torch.empty_like(xq.float())
     for b in range(xq.shape[1] // 128):
         back[:, 128 * b + order] = xq.float()[:, 128 * b:128 * b + 128]
-    step = (inv * 64).double()[:, None]
+    step = (inv * 2**df.DECODE_FP8_SCALE_LOG2.value).double()[:, None]
     got = back.double() * step
     want = input_transform(norm.apply(x).double(), qw).double()
     assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
@@ -184,8 +205,8 @@ def _step(ptx: str) -> str:
 @pytest.mark.parametrize("bits", [2, 3])
 @pytest.mark.parametrize("bn", sorted(df.BUILDS))
 def test_ptx_fp8_mma_from_shared_memory_in_flight(builds, bits, bn):
-    """Each step: a thread's 64 / warps_n weights of the tile (one mul.f16x2 by 64 and one cvt to
-    e4m3x2 a pair) stored with one stmatrix x4 each 16, a proxy fence, then four wgmma m64n(BN / warps_n)k32 e4m3 x e4m3 with both
+    """Each step: a thread's 64 / warps_n weights of the tile (16 T straight from the codec, no
+    multiply, and one cvt to e4m3x2 a pair) stored with one stmatrix x4 each 16, a proxy fence, then four wgmma m64n(BN / warps_n)k32 e4m3 x e4m3 with both
     operands from shared memory (descriptors, no A registers) and a wait that leaves them in
     flight. In the SASS, one wait for all but the last group (the step's) and one for all (after a
     tile's steps): ptxas added no wait of its own (it did when a tile's store sat in the step loop)."""
@@ -198,7 +219,8 @@ def test_ptx_fp8_mma_from_shared_memory_in_flight(builds, bits, bn):
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4
     assert len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", step)) == 4 // wn
     assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f16x2", step)) == 32 // wn
-    assert len(re.findall(r"mul(?:\.rn)?\.f16x2", step)) == 32 // wn
+    assert not re.search(r"mul(?:\.rn)?\.f16", step)
+    assert len(re.findall(r"0x4B604B60", step)) == 64 // wn  # the codec's lop3 of 16 T, a word each
     assert step.rindex("stmatrix") < step.index("fence.proxy.async") < step.index("wgmma.mma_async")
     assert ptx.count("wgmma.wait_group.sync.aligned 1") == 1 and ptx.count("wgmma.wait_group.sync.aligned 0") == 1
     # The words come straight into registers (one 16-byte load a row group, two steps ahead), not
@@ -269,7 +291,7 @@ def test_fragments_bit_exact(bits, shape):
                                  (130, 14336), (1024, 14336)])
 @pytest.mark.parametrize("bits", [2, 3])
 def test_partials_are_the_e4m3_product(m, k, bits):
-    """The GEMM's partials, summed, are x'_q (64 T)^T of its own e4m3 operands within the
+    """The GEMM's partials, summed, are x'_q (16 T)^T of its own e4m3 operands within the
     accumulation bound, in every block's build, on its wave and on grids of one step a program
     and one program."""
     qw = random_qweight(300, k, bits=bits, seed=m + bits, device="cuda")

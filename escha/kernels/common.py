@@ -136,6 +136,11 @@ THREEINST_ABSMAX = 3.9727
 #: the largest with THREEINST_ABSMAX * 64 = 254.3 <= 448, so no value saturates, and small
 #: weights stay in e4m3's normal range (smallest normal 2**-6). Exact, like any power of two.
 CORE_FP8_SCALE = tl.constexpr(64.0)
+#: log2 of the power of two that carries T into e4m3 in the fp8 decode GEMM (decode_fp8): its codec
+#: forms 16 lo and 16 hi straight from the LCG word (3INST's xor constant 0x3B60 with 0x4B60: the
+#: exponent field 12-15 becomes 16-19), so e4m3(16 T) costs no multiply; 16 T <= 63.6, and a
+#: weight leaves e4m3's normal range only below |T| = 2**-10 (64 T: 2**-12), an error under 2**-14.
+DECODE_FP8_SCALE_LOG2 = tl.constexpr(4)
 #: Power of two that carries Hn_pm1 T into e4m3 (dequantize-once): |Hn_pm1 T| <= 128 * 4 = 512,
 #: so halving keeps every value within 448 for any trellis bits.
 HN_FP8_SCALE = tl.constexpr(0.5)

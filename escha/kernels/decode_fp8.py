@@ -1,12 +1,12 @@
 """Decode GEMM on the fp8 tensor cores (Hopper), for 65 to a few hundred tokens.
 
-    z^T [16 WM weight rows, tokens] += e4m3(64 T_blk) [16 WM, 128] @ x'_q^T [128, tokens]
+    z^T [16 WM weight rows, tokens] += e4m3(16 T_blk) [16 WM, 128] @ x'_q^T [128, tokens]
 
 The register-operand decode kernel's words (``decode_wgmma.pack_words``, here loaded straight into
 registers two steps ahead), even split of (row tile, k-block) steps over one wave of programs, TMA
 ring for the activations and fp32 partials for ``transforms.hadamard_output``; but the decoded
-weights are scaled by 64 and rounded to e4m3 (as the dequantize-once core,
-``dequant.dequantize_core``: |64 T| < 256, a power of two, no saturation), stored to shared memory
+weights are 16 T (``common.DECODE_FP8_SCALE_LOG2``: the codec forms them with no multiply, |16 T|
+< 64, no saturation) rounded to e4m3, stored to shared memory
 (``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3`` with both operands from shared memory,
 issued asynchronously: the next step's decode runs while this step's MMAs do. The activations are
 e4m3 (the input transform's ``fp8`` form: x' times a power of two per token, |x' 2**e| <= 2**8).
@@ -24,8 +24,8 @@ four of their columns:
     MMA column kk = 32 s + 16 h + 4 t + 2 u + e   holds   T column 16 (2t + u) + (2 s + h) + 8 e
 
 so a register's four bytes are columns c and c + 8 (c = 2 s + h) of tiles 2t and 2t + 1: at K=2
-each pair is one funnel shift (``decode_wgmma._pair_values_f16x2``), then one mul.f16x2 by 64 and one
-cvt.rn.satfinite.e4m3x2.f16x2, and four ``stmatrix`` a thread a step store the tile.
+each pair is one funnel shift (``decode_wgmma._pair_values_x16``: 16 T straight from the codec),
+then one cvt.rn.satfinite.e4m3x2.f16x2, and four ``stmatrix`` a thread a step store the tile.
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from ..format.codec import decode_trellis
 from ..format.qweight import QuantizedWeight
 from ..norm import HeadNorm, RowNorm
 from .common import (
+    DECODE_FP8_SCALE_LOG2,
     FP8_DTYPE,
     check_codebook,
     check_operands,
@@ -68,8 +69,8 @@ from .decode_wgmma import (
     _most_segments,
     _next_step,
     _packed,
-    _pair_values_f16x2,
-    _state_values_f16x2,
+    _pair_values_x16,
+    _state_values_x16,
     _word_row,
     permute_blocks,
     runs_on,
@@ -104,7 +105,7 @@ def fp8_mma_column_order(device: torch.device | str = "cpu") -> torch.Tensor:
 
 @gluon.jit
 def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
-    """e4m3(64 T) [ROWS, 128] (fp8 MMA column order) from the words ``w`` of a step (layout WL
+    """e4m3(16 T) [ROWS, 128] (fp8 MMA column order) from the words ``w`` of a step (layout WL
     of the kernel: [warp, 8-row group, g, tile half, t, hi/lo]), in the registers the decode
     leaves it: L8 ([warp, 8-row group, g, s, h, u, t, e]) with t and u traded."""
     W7: gl.constexpr = gl.SliceLayout(7, L8)
@@ -115,11 +116,11 @@ def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
     v = (hi.to(gl.uint64) << 32) | lo.to(gl.uint64)  # [warps, groups, 8, 1, 1, 2, 4] row windows
     c = (2 * _iota(4, 3, 7, W7) + _iota(2, 4, 7, W7)).to(gl.uint64)  # tile column c = 2 s + h
     if BITS == 2:
-        va, vb = _pair_values_f16x2(((v << (2 * c)) >> 32).to(gl.uint32))
+        va, vb = _pair_values_x16(((v << (2 * c)) >> 32).to(gl.uint32))
     else:
-        va, vb = _state_values_f16x2(((v >> (48 - BITS * c)) & 0xFFFF).to(gl.uint32),
-                                     ((v >> (48 - BITS * (c + 8))) & 0xFFFF).to(gl.uint32))
-    a = (gl.join(va, vb) * 64.0).to(gl.float8e4nv)  # 64 T: exact in fp16; e4m3 rounds to nearest even
+        va, vb = _state_values_x16(((v >> (48 - BITS * c)) & 0xFFFF).to(gl.uint32),
+                                   ((v >> (48 - BITS * (c + 8))) & 0xFFFF).to(gl.uint32))
+    a = gl.join(va, vb).to(gl.float8e4nv)  # 16 T, exact in fp16; e4m3 rounds to nearest even
     return gl.reshape(gl.permute(a, [0, 1, 2, 3, 4, 6, 5, 7]), [ROWS, 128])
 
 
@@ -160,7 +161,7 @@ def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
-    e4m3(64 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
+    e4m3(16 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
     split and output). Each step's words come from global memory into registers two steps ahead,
     its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3 weights
     into one of two shared buffers, and the wgmma reads both operands from shared memory,
@@ -256,7 +257,7 @@ def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
 def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr, WN: gl.constexpr):
     """Test kernel: writes the e4m3 tile the GEMM stores for (64-row block, k block) = program id
     at T[64 nb + row, 128 kb + fp8 MMA column], decoded by 4 WN warps as the GEMM's builds with
-    WN warpgroups along the tokens decode it: e4m3(64 T) of the reference, bit for bit."""
+    WN warpgroups along the tokens decode it: e4m3(16 T) of the reference, bit for bit."""
     nb = gl.program_id(0)
     kb = gl.program_id(1)
     NW: gl.constexpr = 4 * WN
@@ -276,7 +277,7 @@ def _fragment_kernel(words_ptr, out_ptr, NKB, BITS: gl.constexpr, WN: gl.constex
 
 
 def decoded_fragments(qw: QuantizedWeight, warps_n: int = 1) -> torch.Tensor:
-    """e4m3 [Np, Kp]: e4m3(64 T) as the GEMM stores it for its MMAs (fp8 MMA column order in each
+    """e4m3 [Np, Kp]: e4m3(16 T) as the GEMM stores it for its MMAs (fp8 MMA column order in each
     128-block), decoded as its builds with ``warps_n`` warpgroups along the tokens decode it (1:
     16 rows a warp; 2: 8). Equal bit for bit to ``mma_order(reference_core(qw))`` (tests)."""
     if warps_n not in (1, 2):
@@ -289,9 +290,9 @@ def decoded_fragments(qw: QuantizedWeight, warps_n: int = 1) -> torch.Tensor:
 
 
 def reference_core(qw: QuantizedWeight) -> torch.Tensor:
-    """e4m3(64 T) [Np, Kp] from the reference codec (64 T is exact; e4m3 rounds to nearest even),
+    """e4m3(16 T) [Np, Kp] from the reference codec (16 T is exact; e4m3 rounds to nearest even),
     in T's own column order: what ``decoded_fragments`` must equal in the fp8 MMA order."""
-    return (decode_trellis(qw).float() * 64).to(FP8_DTYPE)
+    return (decode_trellis(qw).float() * 2**DECODE_FP8_SCALE_LOG2.value).to(FP8_DTYPE)
 
 
 def mma_order(t: torch.Tensor) -> torch.Tensor:
@@ -316,8 +317,9 @@ class DecodeFp8Config:
 
 #: The build of each token block: (stages, warps_m, warps_n, register cap), and the programs one SM
 #: holds of it (registers and shared memory of the sm_90a build under triton 3.6, K = 2 and 3;
-#: tests/test_decode_fp8.py checks the table against the compiler). Measured: note at the end.
-BUILDS = {64: (3, 4, 1, None), 128: (2, 4, 1, 168), 256: (3, 8, 2, None)}
+#: tests/test_decode_fp8.py checks the table against the compiler). Measured: note at the end. The
+#: 64-token build's cap keeps 4 an SM with the add.f16 sum (163 registers uncapped, 3 an SM).
+BUILDS = {64: (3, 4, 1, 128), 128: (2, 4, 1, 168), 256: (3, 8, 2, None)}
 PROGRAMS_PER_SM = {64: 4, 128: 3, 256: 1}
 MIN_STEPS = 2  # k-blocks a program takes at least
 
@@ -404,7 +406,7 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
 
     Three kernels, programmatic dependents where the device has them: ``transforms.prepare_input``
     with ``fp8`` (x' * 2**e in e4m3, fp8 MMA column order), the GEMM (fp32 partials), and
-    ``transforms.hadamard_output`` (their sum, Hn, the row scales, 2**-e / 64). Accuracy is the
+    ``transforms.hadamard_output`` (their sum, Hn, the row scales, 2**-e / 16). Accuracy is the
     fp8 paths' (e4m3 weights and activations).
     """
     check_operands(x, qw, "decode_fp8")
@@ -434,7 +436,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [M, Kp], fp8 MMA column
-    order: ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(64 T), and each 64-row group's count of
+    order: ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(16 T), and each 64-row group's count of
     them (``hadamard_output``'s ``segments``; the other partials are left unwritten)."""
     m = xq.shape[0]
     np_, kp = qw.padded_shape
@@ -492,3 +494,9 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -
 # With it the fp8 GEMM beats the fp16 kernel from 96 tokens (13-22% at 96 and 128 on three
 # shapes, K = 2 and 3) and loses at 32-64 (3-14%): DispatchRule.decode_max_m = 64
 # (results/decode_fp8/h200_fdcb84e).
+# The weights as 16 T from the codec (its xor constant's exponent bits; no mul.f16x2, halves summed
+# by add.f16), the 64-token build then capped at 128 registers to keep four an SM
+# (results/x16_xpad_h200, one process against c25f908's kernels): at K=2 gate_up / down / 8B down
+# 48.2 / 30.0 / 35.6 us at 96 tokens against 49.8 / 30.2 / 36.6, 50.3 / 30.9 / 37.3 at 128 against
+# 51.9 / 31.8 / 38.5; 0.4-1.2% slower at 192-256 (one program an SM: not issue-bound); K=3 3-4%
+# faster at 128 tokens.

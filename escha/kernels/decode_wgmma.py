@@ -194,11 +194,13 @@ def _iota(N: gl.constexpr, AXIS: gl.constexpr, RANK: gl.constexpr, PARENT: gl.co
 
 
 # The codec's PTX: two LCG words xa, xb (from a funnel word, or from two states), then the mask/xor
-# (lop3, LUT 0x6A = (a & b) ^ c) of each, and each word's fp16 halves summed. Two ways to sum: the
-# fragments' (``_pair_values``, ``_state_values``) add each word's halves with one scalar add.f16
-# (HADD2 with swizzled operands, on the FMA pipe; ptxas packs the pair with one prmt); the fp8
-# GEMM's (``*_f16x2``) gathers the low and the high halves with two prmt (ALU pipe) and adds them
-# with one add.f16x2, leaving the pair in one register for its mul.f16x2 by 64. The same bits.
+# (lop3, LUT 0x6A = (a & b) ^ c) of each, and each word's fp16 halves summed by one scalar add.f16
+# (HADD2 with swizzled operands, on the FMA pipe; ptxas packs a pair with one prmt). The fp8
+# GEMM's forms (``*_x16``) xor with 0x4B60 instead of 0x3B60 in each half: the mask clears bits
+# 12-14, so this sets the exponent field to 16-19 where 3INST's is 12-15, and each half is 16
+# times its value, exactly; their sum is 16 T, exactly (no overflow, no fp16 subnormal: the halves
+# are multiples of 2**-13), the weight that GEMM rounds to e4m3 with no multiply. (It took 64 T
+# before: two prmt and one add.f16x2 gathered the halves, one mul.f16x2 scaled the pair.)
 _FIRST_STATES = """
         shr.u32 sa, $2, 16;
         mad.lo.u32 xa, sa, 89226354, 64248484;
@@ -210,25 +212,22 @@ _TWO_STATES = """
 _MASK = """
         lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
         lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;"""
+_MASK_X16 = """
+        lop3.b32 xa, xa, 0x8FFF8FFF, 0x4B604B60, 0x6A;
+        lop3.b32 xb, xb, 0x8FFF8FFF, 0x4B604B60, 0x6A;"""
 _SUM_HALVES = """
         mov.b32 {al, ah}, xa;
         mov.b32 {bl, bh}, xb;
         add.rn.f16 $0, al, ah;
         add.rn.f16 $1, bl, bh;
         }"""
-_SUM_F16X2 = """
-        prmt.b32 lo, xa, xb, 0x5410;
-        prmt.b32 hi, xa, xb, 0x7632;
-        add.rn.f16x2 v, lo, hi;
-        mov.b32 {$0, $1}, v;
-        }"""
 _REGS = """{
-        .reg .b32 sa, xa, xb, lo, hi, v;
+        .reg .b32 sa, xa, xb;
         .reg .b16 al, ah, bl, bh;"""
 _PAIR_VALUES_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK + _SUM_HALVES)
 _STATE_VALUES_ASM = gl.constexpr(_REGS + _TWO_STATES + _MASK + _SUM_HALVES)
-_PAIR_VALUES_F16X2_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK + _SUM_F16X2)
-_STATE_VALUES_F16X2_ASM = gl.constexpr(_REGS + _TWO_STATES + _MASK + _SUM_F16X2)
+_PAIR_VALUES_X16_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK_X16 + _SUM_HALVES)
+_STATE_VALUES_X16_ASM = gl.constexpr(_REGS + _TWO_STATES + _MASK_X16 + _SUM_HALVES)
 
 
 @gluon.jit
@@ -254,17 +253,16 @@ def _state_values(sa, sb):
 
 
 @gluon.jit
-def _pair_values_f16x2(t):
-    """``_pair_values`` with the halves gathered by two prmt and summed by one add.f16x2 (the fp8
-    GEMM's form: its pair stays one f16x2 register)."""
-    return gl.inline_asm_elementwise(_PAIR_VALUES_F16X2_ASM, "=h,=h,r", [t], dtype=(gl.float16, gl.float16),
+def _pair_values_x16(t):
+    """16 times ``_pair_values``, exactly (the fp8 GEMM's weights: the xor constant's exponent bits)."""
+    return gl.inline_asm_elementwise(_PAIR_VALUES_X16_ASM, "=h,=h,r", [t], dtype=(gl.float16, gl.float16),
                                      is_pure=True, pack=1)
 
 
 @gluon.jit
-def _state_values_f16x2(sa, sb):
-    """``_state_values`` in the fp8 GEMM's form (``_pair_values_f16x2``)."""
-    return gl.inline_asm_elementwise(_STATE_VALUES_F16X2_ASM, "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16),
+def _state_values_x16(sa, sb):
+    """16 times ``_state_values``, exactly (``_pair_values_x16``)."""
+    return gl.inline_asm_elementwise(_STATE_VALUES_X16_ASM, "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16),
                                      is_pure=True, pack=1)
 
 
@@ -810,20 +808,20 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     if plan is not None:
         segs, pin, pgemm, pout = plan
         kx = input_columns(kp, cfg.halves)
-        xq = torch.empty((m, kx), dtype=torch.float16, device=x.device)
+        mk = partial_rows(m, cfg.block_tokens)
+        xq = torch.empty((mk, kx), dtype=torch.float16, device=x.device)  # rows past m unwritten
         inv = torch.empty((m,), dtype=torch.float32, device=x.device)
-        ws = torch.empty((segs, partial_rows(m, cfg.block_tokens), np_), dtype=torch.float32,
-                         device=x.device)  # no zeroing: counts
+        ws = torch.empty((segs, mk, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
         y = output_tensor(x, m, qw.out_features, out)
         pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
-        pgemm.run(TensorDescriptor(xq, [m, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
+        pgemm.run(TensorDescriptor(xq, [mk, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
                   ws)
         pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
         return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
                                  release_early=pdl and cfg.early_start, norm=norm, halves=cfg.halves,
-                                 blocks=cfg.input_blocks)
+                                 blocks=cfg.input_blocks, rows=partial_rows(m, cfg.block_tokens))
     ws, counts, pgemm = _gemm(xq, qw, cfg, packed, keep=True)
     y = output_tensor(x, m, qw.out_features, out)
     pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts,
@@ -973,8 +971,10 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # uncapped (95 registers) but ran gate_up / down / 8B down in 33.0 / 20.7 / 24.4 us there (rule/)
 # against 32.0 / 20.1 / 23.8 capped at 128 (4 an SM; first/), in two calls whose 11b05e7 arm
 # agreed within 0.3 us: the cap stays (final/: 32.3 / 20.0 / 23.8). The fp8 decode
-# GEMM keeps the prmt sum (``_pair_values_f16x2``): its pair stays one f16x2 register for the mul
-# by 64, and the add.f16 form cost its 64-token build registers (a program an SM) for 1-2.5%.
+# GEMM kept the prmt sum then (its pair one f16x2 register for the mul by 64; the add.f16 form
+# cost its 64-token build registers, a program an SM, for 1-2.5%); since its weights are 16 T from
+# the codec (``_pair_values_x16``: no multiply) it sums by add.f16 too, its 64-token build capped
+# at 128 registers (benchmarks/results/fp8_x16/).
 # Partials' rows (``partial_rows``; benchmarks/results/partial_rows_h200/, one process against
 # fe633fc, µs, whole call): with M rounded up to 16 every launch runs the build for M a multiple
 # of 16; gate_up / down / 8B down at 24 tokens 34.9 / 21.9 / 26.3 against 35.5 / 22.2 / 26.7, at 56
@@ -984,5 +984,8 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
 # 56), so the build was not the cause; what differs is x' (40 rows, TMA zero-filling 24 of a
 # 64-row box). Storing through an opaque move (as decode_fp8._store_rows) gives the two builds
 # the same code and every block its programs an SM without a cap, but was 1-4% slower at 1, 16
-# and 64 tokens and level at 40 (benchmarks/results/opaque_store_h200/): not taken.
+# and 64 tokens and level at 40 (benchmarks/results/opaque_store_h200/): not taken. x' with the
+# rounded rows too (``prepare_input(..., rows=)``; benchmarks/results/x16_xpad_h200/, one process
+# against c25f908): gate_up / down / 8B down at 40 tokens 39.1 / 24.7 / 29.4 against 44.4 / 25.1 /
+# 29.6, at 24, 48 and 56 within 0.5%: a TMA box reaching 24 rows past x' was the 40-token loss.
 

@@ -22,9 +22,9 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (FP8_DTYPE, INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, constant_vector, dot_dtype, hadamard128,
-                     hadamard_operand, interpreted, load_hadamard, prepare, release_dependents, round_to,
-                     row_scale_block, row_sum128, wait_for_producer)
+from .common import (DECODE_FP8_SCALE_LOG2, FP8_DTYPE, INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, constant_vector,
+                     dot_dtype, hadamard128, hadamard_operand, interpreted, load_hadamard, prepare, release_dependents,
+                     round_to, row_scale_block, row_sum128, wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
 INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
@@ -57,7 +57,7 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
     the row first goes through the RMSNorm that precedes the layer (weight ``nw``, ``eps``), as
     the model computes it: x * rsqrt(mean(x**2) + eps) in fp32, rounded to x's dtype, times the
     weight, rounded again. FP8 stores e4m3 instead, bounded by 2**8 (not 2**15): with MMA_ORDER in
-    decode_fp8's column order, with 2**-e / 64 as the row's factor (decode_fp8's weights are 64 T);
+    decode_fp8's column order, with 2**-e / 16 as the row's factor (decode_fp8's weights are 16 T);
     without, in x's own column order with 2**-e (the dequantize-once paths' library GEMM). BF16
     stores bf16(x') unscaled (no row pass, no factor): the bf16 library GEMM's operand.
     """
@@ -115,7 +115,7 @@ def _input_transform_kernel(x_ptr, sv_ptr, xq_ptr, inv_ptr, nw_ptr, eps, K_in, K
         scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
         if pc == 0:
             if FP8 and MMA_ORDER:
-                f = ((121 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e / 64
+                f = ((-e + (127 - DECODE_FP8_SCALE_LOG2)) << 23).to(tl.float32, bitcast=True)  # 2**-e / 16
             else:
                 f = ((127 - e) << 23).to(tl.float32, bitcast=True)
             if FP8:  # a non-finite row's factor is NaN too, whatever its e4m3 values carry
@@ -214,17 +214,18 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
                   norm: RowNorm | None = None,
                   keep: bool = True, halves: bool = False,
                   fp8: bool = False, bf16: bool = False, blocks: int | None = None,
-                  tiles: int = 1) -> tuple[torch.Tensor, torch.Tensor | None, Prepared | None]:
+                  tiles: int = 1, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Prepared | None]:
     """``hadamard_input``, and with ``keep`` its launch prepared to run again (``common.Prepared``;
     per-call tensors ``INPUT_SLOTS``: x, x', 2**-e and the norm's weight, which is x when there is
     none; with ``bf16``, x' stands in for the absent 2**-e).
 
     ``fp8``: x' * 2**e in e4m3, |x' * 2**e| <= 2**8, with ``mma_order`` in decode_fp8's column
-    order and 2**-e / 64 as the row's factor, without in x's column order and 2**-e (the
+    order and 2**-e / 16 as the row's factor, without in x's column order and 2**-e (the
     dequantize-once paths). ``bf16``: bf16(x'), unscaled, in x's column order, and None for the
     factor. ``halves`` is decode_wgmma's alone. ``blocks`` (Hadamard blocks a tile, a power of two;
     default ``input_blocks_per_program``) and ``tiles`` (tiles a program, one after another)
-    shape the grid: [M, ceil(Kp / 128 / (blocks * tiles))]."""
+    shape the grid: [M, ceil(Kp / 128 / (blocks * tiles))]. ``rows`` (>= M): x' is allocated with
+    that many rows, those past M left unwritten (a GEMM that reads whole token blocks)."""
     if (fp8 or bf16) and halves:
         raise ValueError("halves is decode_wgmma's fp16 order: it does not apply to fp8 or bf16")
     if fp8 and bf16:
@@ -237,7 +238,7 @@ def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fals
     m = x2d.shape[0]
     kp = qw.padded_shape[1]
     dtype = FP8_DTYPE if fp8 else torch.bfloat16 if bf16 else torch.float16
-    out = torch.empty((m, input_columns(kp, halves)), dtype=dtype, device=x2d.device)
+    out = torch.empty((max(m, rows or 0), input_columns(kp, halves)), dtype=dtype, device=x2d.device)
     inv_scale = None if bf16 else torch.empty((m,), dtype=torch.float32, device=x2d.device)
     if m == 0:
         return out, inv_scale, None
