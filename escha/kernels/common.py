@@ -360,25 +360,31 @@ def hadamard128(x):
     c = tl.reshape(tl.arange(0, 128)[None, :], [1, 2, 2, 2, 2, 2, 2, 2])
     for k in tl.static_range(7):  # axis k + 1 holds index bit 6 - k
         sgn = (1 - 2 * ((c >> (6 - k)) & 1)).to(tl.float32)  # +1 on the pair's low element, -1 on its high one
-        yi = y.to(tl.uint32, bitcast=True)
-        p = (tl.sum(yi, axis=k + 1, keep_dims=True) - yi).to(tl.float32, bitcast=True)
-        y = y * sgn + p  # an fma with +-1: round(p +- y)
+        y = y * sgn + _bit_partner(y, k + 1)  # an fma with +-1: round(p +- y)
     return tl.reshape(y, [R, 128])
+
+
+@triton.jit
+def _bit_partner(y, AXIS: tl.constexpr):
+    """Each element's partner across AXIS (of size 2) of fp32 y, exactly: the pair's bits summed
+    as uint32 over that axis, modulo 2**32, minus the element's own (a register move inside a
+    thread, one shuffle across lanes)."""
+    yi = y.to(tl.uint32, bitcast=True)
+    return (tl.sum(yi, axis=AXIS, keep_dims=True) - yi).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def row_sum128(x):
     """x [R, 128] (fp32) with every element of row r replaced by the row's sum, summed by a fixed
     tree: seven stages, each adding to every element its partner across one index bit (fetched
-    exactly as in ``hadamard128``). The pair's two sums are a + b and b + a, equal in IEEE
+    exactly, ``_bit_partner``, as in ``hadamard128``). The pair's two sums are a + b and b + a, equal in IEEE
     arithmetic, so the tree and its bits depend on the column indices alone, not on the layout,
     warps or lanes that hold the row; ``tl.sum``'s order does depend on them (and so did a head
     norm's bits on the output transform's launch shape)."""
     R: tl.constexpr = x.shape[0]
     y = tl.reshape(x, [R, 2, 2, 2, 2, 2, 2, 2])
     for k in tl.static_range(7):  # axis k + 1 holds index bit 6 - k
-        yi = y.to(tl.uint32, bitcast=True)
-        y = y + (tl.sum(yi, axis=k + 1, keep_dims=True) - yi).to(tl.float32, bitcast=True)
+        y = y + _bit_partner(y, k + 1)
     return tl.reshape(y, [R, 128])
 
 
