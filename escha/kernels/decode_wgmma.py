@@ -833,9 +833,10 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
 
 def partial_rows(m: int, block_tokens: int) -> int:
     """The GEMM's M for m tokens in blocks of ``block_tokens``: m rounded up to 16 from blocks of
-    16 (its partials hold that many rows, those past m zero; x' keeps m rows, TMA zero-filling the
-    rest), so that every launch runs Triton's build for M a multiple of 16 (1-4% faster at 24 and
-    56 tokens: module note); m in blocks of 8."""
+    16, so that every launch runs Triton's build for M a multiple of 16 (1-4% faster at 24 and 56
+    tokens: module note); m in blocks of 8. The call allocates x' and the partials with that many
+    rows; x' rows past m are left unwritten, so are the partials' rows past m, which the output
+    transform never reads (an x' of m rows given to ``gemm_partials``: TMA zero-fills the rest)."""
     return m if block_tokens < 16 else -(-m // 16) * 16
 
 
@@ -865,7 +866,7 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeWgmmaConfig, packed:
                              lambda: segment_counts(programs, tiles, nkb, cfg.fragments, xq.device))
     segs = _most_segments(programs, tiles, nkb)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
-    mk = partial_rows(m, cfg.block_tokens)  # TMA zero-fills x' rows m..mk
+    mk = partial_rows(m, cfg.block_tokens)  # x' rows m..mk, where x' has them, else TMA's zeros
     ws = torch.empty((segs, mk, np_), dtype=torch.float32, device=xq.device)
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
     args = (x_desc, packed.descs[cfg.fragments], ws, mk, np_, nkb, steps, programs)
