@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The command of the H200 call that wrote this folder, as it ran (2026-12-05, the call after ../ab/'s,
 # which began 03:03 UTC; NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, the device's copy of
-# 6c3b853 with ../../fp8_x16/candidate.patch and ../../xpad_h200/candidate.patch applied; no .git
-# there, so the sha was passed by hand): every gpu-marked test, then memcheck and racecheck of both
+# 6c3b853 with ../../fp8_x16/candidate.patch and ../../xpad_h200/candidate.patch applied; the
+# sanitizer reports' "git: c25f908" is what the device copy's git metadata said, not this tree;
+# their date, 03:09 UTC, is this call's): every gpu-marked test, then memcheck and racecheck of both
 # decode paths on the reduced grid.
 export PYTHONPATH=$PWD
 for c in fp8_x16 xpad_h200; do
