@@ -158,6 +158,13 @@ def test_rule_refuses_no_tokens():
         df.decode_fp8_config(qw, 0)
 
 
+def test_partials_refuse_more_tokens_than_rows():
+    qw = random_qweight(64, 128, bits=2, seed=0)
+    xq = torch.zeros(4, 128, dtype=df.FP8_DTYPE)
+    with pytest.raises(ValueError, match="tokens must be 1..4"):
+        df.gemm_partials(xq, qw, df.decode_fp8_config(qw, 4), tokens=5)
+
+
 def test_refuses_the_cpu():
     qw = random_qweight(64, 128, bits=2, seed=0)
     with pytest.raises(ValueError, match="Hopper"):
@@ -305,6 +312,25 @@ def test_partials_are_the_e4m3_product(m, k, bits):
             ws, counts = df.gemm_partials(xq, qw, dataclasses.replace(cfg, programs=programs))
             got = summed_partials(ws, counts)
             assert float((got - ref).norm() / ref.norm()) <= PARTIALS_TOL, (block, programs)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 72, 100, 200])
+def test_partials_ignore_x_rows_past_the_tokens(m):
+    """An x' with whole token blocks of rows (as the call allocates it), the rows past the tokens
+    NaN: the partials of the tokens are the same bits as those of an x' of exactly their rows."""
+    qw = random_qweight(300, 700, bits=2, seed=m, device="cuda")
+    x = torch.randn(m, 700, device="cuda", dtype=torch.bfloat16)
+    xq, _, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True)
+    cfg = df.decode_fp8_config(qw, m, x.device)
+    rows = -(-m // cfg.block_tokens) * cfg.block_tokens
+    padded = torch.full((rows, xq.shape[1]), 0x7F, dtype=torch.uint8, device="cuda").view(xq.dtype)
+    padded[:m] = xq
+    want = summed_partials(*df.gemm_partials(xq, qw, cfg))
+    got = summed_partials(*df.gemm_partials(padded, qw, cfg, tokens=m))
+    assert got.shape == want.shape == (m, qw.padded_shape[0]) and torch.isfinite(got).all()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

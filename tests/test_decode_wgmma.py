@@ -218,6 +218,30 @@ def test_pair_values_identity():
     assert torch.equal(xb, (sb * mul + add) % 2**32)
 
 
+def test_placed_states_identity():
+    """K=3 (``_states``, ``_placed``): each state shifted to the top 16 bits of a 32-bit word (a
+    left shift of the word that holds it, else the window's funnel shift), then shifted down by 16
+    (the codec's asm), is the window's state, for every column and window."""
+    g = torch.Generator().manual_seed(1)
+    v = torch.randint(-2**63, 2**63 - 1, (4096,), generator=g, dtype=torch.int64)  # 64-bit windows
+    hi, lo = (v >> 32) & 0xFFFFFFFF, v & 0xFFFFFFFF
+
+    def placed(p: int) -> torch.Tensor:  # the kernel's placement, 32 bits (p: the state's first bit in v)
+        if p >= 32:
+            return (hi << (48 - p)) & 0xFFFFFFFF
+        if p <= 16:
+            return (lo << (16 - p)) & 0xFFFFFFFF
+        return (v >> (p - 16)) & 0xFFFFFFFF
+
+    bits = 3
+    kinds = set()
+    for c in range(16):
+        p = 48 - bits * c
+        kinds.add("hi" if p >= 32 else "lo" if p <= 16 else "across")
+        assert torch.equal(placed(p) >> 16, (v >> p) & 0xFFFF), c
+    assert kinds == {"hi", "lo", "across"}
+
+
 # Gluon kernels are compiled for sm_90a in a child process: compiling Gluon and running Triton's
 # CPU interpreter in one process interfere (the interpreter patches triton.language while it runs).
 _COMPILE = r"""

@@ -71,6 +71,7 @@ from .decode_wgmma import (
     _packed,
     _pair_values_x16,
     _state_values_x16,
+    _states,
     _word_row,
     permute_blocks,
     runs_on,
@@ -118,8 +119,7 @@ def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
     if BITS == 2:
         va, vb = _pair_values_x16(((v << (2 * c)) >> 32).to(gl.uint32))
     else:
-        va, vb = _state_values_x16(((v >> (48 - BITS * c)) & 0xFFFF).to(gl.uint32),
-                                   ((v >> (48 - BITS * (c + 8))) & 0xFFFF).to(gl.uint32))
+        va, vb = _state_values_x16(*_states(v, c, BITS))
     a = gl.join(va, vb).to(gl.float8e4nv)  # 16 T, exact in fp16; e4m3 rounds to nearest even
     return gl.reshape(gl.permute(a, [0, 1, 2, 3, 4, 6, 5, 7]), [ROWS, 128])
 
@@ -426,19 +426,24 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
     pdl = cfg.dependent_launch
+    # x' has whole token blocks of rows (those past m unwritten): no TMA box reaches past it.
     xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, keep=False, fp8=True,
-                               mma_order=True)
-    ws, counts = gemm_partials(xq, qw, cfg)
+                               mma_order=True, rows=triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens)
+    ws, counts = gemm_partials(xq, qw, cfg, tokens=m)
     y = output_tensor(x, m, qw.out_features, out)
     hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
-def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [M, Kp], fp8 MMA column
+def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,
+                  tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [rows, Kp], fp8 MMA column
     order: ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(16 T), and each 64-row group's count of
-    them (``hadamard_output``'s ``segments``; the other partials are left unwritten)."""
-    m = xq.shape[0]
+    them (``hadamard_output``'s ``segments``; the other partials are left unwritten). M is
+    ``tokens`` (default: x''s rows); x' may have more rows, which are read and not stored."""
+    m = xq.shape[0] if tokens is None else tokens
+    if not 1 <= m <= xq.shape[0]:
+        raise ValueError(f"tokens must be 1..{xq.shape[0]} (x''s rows), got {m}")
     np_, kp = qw.padded_shape
     if xq.dtype != FP8_DTYPE or xq.shape[1] != kp:
         raise ValueError(f"x' must be {FP8_DTYPE} [M, {kp}], got {xq.dtype} {list(xq.shape)}")

@@ -206,9 +206,11 @@ _FIRST_STATES = """
         mad.lo.u32 xa, sa, 89226354, 64248484;
         mad.lo.u32 xb, $2, 89226354, 1584945828;
         mad.lo.u32 xb, xa, 0xFFFF0000, xb;"""
-_TWO_STATES = """
-        mad.lo.u32 xa, $2, 89226354, 64248484;
-        mad.lo.u32 xb, $3, 89226354, 64248484;"""
+_PLACED_STATES = """
+        shr.u32 sa, $2, 16;
+        shr.u32 sb, $3, 16;
+        mad.lo.u32 xa, sa, 89226354, 64248484;
+        mad.lo.u32 xb, sb, 89226354, 64248484;"""
 _MASK = """
         lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
         lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;"""
@@ -222,12 +224,12 @@ _SUM_HALVES = """
         add.rn.f16 $1, bl, bh;
         }"""
 _REGS = """{
-        .reg .b32 sa, xa, xb;
+        .reg .b32 sa, sb, xa, xb;
         .reg .b16 al, ah, bl, bh;"""
 _PAIR_VALUES_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK + _SUM_HALVES)
-_STATE_VALUES_ASM = gl.constexpr(_REGS + _TWO_STATES + _MASK + _SUM_HALVES)
+_STATE_VALUES_ASM = gl.constexpr(_REGS + _PLACED_STATES + _MASK + _SUM_HALVES)
 _PAIR_VALUES_X16_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK_X16 + _SUM_HALVES)
-_STATE_VALUES_X16_ASM = gl.constexpr(_REGS + _TWO_STATES + _MASK_X16 + _SUM_HALVES)
+_STATE_VALUES_X16_ASM = gl.constexpr(_REGS + _PLACED_STATES + _MASK_X16 + _SUM_HALVES)
 
 
 @gluon.jit
@@ -247,7 +249,8 @@ def _pair_values(t):
 
 @gluon.jit
 def _state_values(sa, sb):
-    """fp16 3INST values of two states (mad, lop3, add.f16 each)."""
+    """fp16 3INST values of two states, each in the top 16 bits of its word (``_states``): shr, mad,
+    lop3, add.f16 each."""
     return gl.inline_asm_elementwise(_STATE_VALUES_ASM, "=h,=h,r,r", [sa, sb], dtype=(gl.float16, gl.float16),
                                      is_pure=True, pack=1)
 
@@ -283,9 +286,11 @@ _PAIR_HALVES_ASM = gl.constexpr("""{
         mad.lo.u32 xb, $4, 89226354, 1584945828;
         mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _HALVES_TAIL)
 _STATE_HALVES_ASM = gl.constexpr("""{
-        .reg .b32 xa, xb;
-        mad.lo.u32 xa, $4, 89226354, 64248484;
-        mad.lo.u32 xb, $5, 89226354, 64248484;""" + _HALVES_TAIL)
+        .reg .b32 sa, sb, xa, xb;
+        shr.u32 sa, $4, 16;
+        shr.u32 sb, $5, 16;
+        mad.lo.u32 xa, sa, 89226354, 64248484;
+        mad.lo.u32 xb, sb, 89226354, 64248484;""" + _HALVES_TAIL)
 
 
 @gluon.jit
@@ -297,7 +302,7 @@ def _pair_halves(t):
 
 @gluon.jit
 def _state_halves(sa, sb):
-    """(lo, hi) fp16 halves of the 3INST values of two states."""
+    """(lo, hi) fp16 halves of the 3INST values of two states placed as ``_states`` places them."""
     return gl.inline_asm_elementwise(_STATE_HALVES_ASM, "=h,=h,=h,=h,r,r", [sa, sb], dtype=(gl.float16,) * 4,
                                      is_pure=True, pack=1)
 
@@ -339,10 +344,26 @@ def _row_windows(w, L7: gl.constexpr):
 @gluon.jit
 def _states(v, s, BITS: gl.constexpr):
     """The 16-bit states of tile columns s and s + 8 (K >= 3: bits [48 - K c, 64 - K c) of the row
-    window v; K=2 takes both from one funnel shift instead, ``_pair_values``)."""
-    sa = ((v >> (48 - BITS * s)) & 0xFFFF).to(gl.uint32)
-    sb = ((v >> (48 - BITS * (s + 8))) & 0xFFFF).to(gl.uint32)
-    return sa, sb
+    window v; K=2 takes both from one funnel shift instead, ``_pair_values``), each in the top 16
+    bits of a 32-bit word (``_placed``); the codec's asm shifts it down. A state inside one word
+    is placed by a left shift of that word, which ptxas issues as IMAD.SHL on the FMA pipe, where
+    the window's funnel shift and a mask (SGXT or LOP3) are two ALU ops: at K=3, 11 of a row's 16
+    states, and the loop's ALU and FMA work about even (benchmarks/results/k3_placed/)."""
+    pa = 48 - BITS * s.to(gl.int32)  # first bit of each state in v
+    pb = pa - 8 * BITS
+    return _placed(v, pa), _placed(v, pb)
+
+
+@gluon.jit
+def _placed(v, p):
+    """The 16 bits of v from bit p in the top half of a 32-bit word: a left shift of the word that
+    holds them (hi from bit 32, lo below 16 bits), else a funnel shift of the window."""
+    hi = (v >> 32).to(gl.uint32)
+    lo = v.to(gl.uint32)
+    in_hi = hi << gl.minimum(gl.maximum(48 - p, 0), 31).to(gl.uint32)
+    in_lo = lo << gl.minimum(gl.maximum(16 - p, 0), 31).to(gl.uint32)
+    across = (v >> gl.maximum(p - 16, 0).to(gl.uint64)).to(gl.uint32)
+    return gl.where(p >= 32, in_hi, gl.where(p <= 16, in_lo, across))
 
 
 @gluon.jit
