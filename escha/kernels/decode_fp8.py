@@ -505,3 +505,7 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,
 # 48.2 / 30.0 / 35.6 us at 96 tokens against 49.8 / 30.2 / 36.6, 50.3 / 30.9 / 37.3 at 128 against
 # 51.9 / 31.8 / 38.5; 0.4-1.2% slower at 192-256 (one program an SM: not issue-bound); K=3 3-4%
 # faster at 128 tokens.
+# x' with whole token blocks of rows (results/fp8_rows_h200, one process against 85f6207's
+# kernels): a TMA box that runs far past x' costs the loop; at 72 tokens (56 rows past a 128-row
+# box) gate_up / down / 8B down 46.4 / 27.5 / 33.9 us against 61.1 / 34.6 / 35.9 (x' rounded to 16
+# rows only: 55.0 / 32.8 / 34.7), at 136 gate_up 66.3 against 68.9; 96 and 200 within 1%.

@@ -348,7 +348,8 @@ def _states(v, s, BITS: gl.constexpr):
     bits of a 32-bit word (``_placed``); the codec's asm shifts it down. A state inside one word
     is placed by a left shift of that word, which ptxas issues as IMAD.SHL on the FMA pipe, where
     the window's funnel shift and a mask (SGXT or LOP3) are two ALU ops: at K=3, 11 of a row's 16
-    states, and the loop's ALU and FMA work about even (benchmarks/results/k3_placed/)."""
+    states, and the loop's ALU and FMA work about even: 4-9% faster at K=3 than the mask, same
+    instruction count (benchmarks/results/k3_placed/h200/)."""
     pa = 48 - BITS * s.to(gl.int32)  # first bit of each state in v
     pb = pa - 8 * BITS
     return _placed(v, pa), _placed(v, pb)
