@@ -17,6 +17,9 @@
 #                  against cuBLAS and the pass over z (CORE_MS, CORE_CONFIGS: the probe's own forms).
 # PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
 #                  tunes itself at each point, about 40 s a point.
+# PHASE "ragged": escha bench's rule (arms escha, torch-bf16, torch-fp8) at token counts that are
+#                  not multiples of the kernels' token blocks (2-250), one step per seed shape: where
+#                  a TMA box runs past x' (the anomalies at 40 and 72 tokens were that), it shows.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
 # PHASE "llm-stage", then "llm" within 30 s (the machine stays warm): SmolLM2-135M's perplexity with
 #                  the shared-input quantization (benchmarks/bench_llm.py: reference, escha K=2, K=3,
@@ -146,7 +149,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -186,6 +189,13 @@ case "$phase" in
     for shape in gate_up down; do
       step "bench_decode_$shape" 285 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 \
         --shapes "$shape" --out "$out/bench_decode_$shape"
+    done
+    ;;
+  ragged)
+    for shape in gate_up down; do
+      step "bench_ragged_$shape" 280 python -m escha.cli bench --arms escha,torch-bf16,torch-fp8 \
+        --m 2,3,5,12,20,28,36,44,52,60,68,72,80,88,100,112,120,136,160,176,200,232,250 \
+        --shapes "$shape" --out "$out/bench_ragged_$shape"
     done
     ;;
   system2)
