@@ -93,6 +93,11 @@ json.dump(out, sys.stdout)
 """
 
 
+def _short(rev: str) -> str:
+    """A commit's short form; a label of a patched tree (``sha+patch``) whole."""
+    return rev if "+" in rev else rev[:7]
+
+
 def launch_build(bits: int, n: int, k: int, m: int, cfg: dict) -> str:
     """The GEMM build a launch at m tokens on an N x K weight compiles with configuration ``cfg``
     (``DecodeWgmmaConfig`` as a dict), as a JSON key: (K, token block, fragments, stages, halves,
@@ -233,7 +238,7 @@ def main() -> None:
         json.dump({"meta": meta_out, "census": census, "rows": rows}, f, indent=1)
     title = "fp8 decode GEMM (decode_fp8)" if fp8 else "Register-operand decode"
     lines = [f"# {title}: share of the integer floor per point ({meta['gpu']}, measured at "
-             f"{meta['git_sha'][:7]}, {meta_out['sweep']}; census of the tree at {meta_out['census_git'][:7]})", "",
+             f"{_short(meta['git_sha'])}, {meta_out['sweep']}; census of the tree at {_short(meta_out['census_git'])})", "",
              "floor = integer ops per weight (loop census, sm_90a SASS" + (")" if fp8 else ": the loop every step, "
              "the tile-end store once a part of a row tile)") + " x N x K / (64 x SMs x clock); share = "
              f"floor / the whole call's median ({meta_out['arm']}: input transform, GEMM, output transform).", "",
