@@ -30,7 +30,7 @@ import torch
 import triton
 
 from escha.bench.cuda_timing import GraphTimer
-from escha.bench.method import rotation_buffers
+from escha.bench.method import rotation_buffers, round_order
 from escha.format import QuantizedWeight, decode_trellis, dequantize, random_qweight
 from escha.kernels import decode
 from escha.kernels.compile_check import programs_per_sm
@@ -82,12 +82,16 @@ def gate_gemm(qw: QuantizedWeight, w_ref: torch.Tensor, m: int, dtype: torch.dty
 
 def time_arms(timer: GraphTimer, arms: dict, rounds: int) -> dict[str, float]:
     """Median µs of each arm {name: (fn(i), rotation length)}: one CUDA graph an arm, ``rounds``
-    rounds interleaved across the arms in their order."""
+    rounds interleaved across the arms, each round in the order of ``method.round_order`` (a
+    Williams design, as ``escha bench`` orders its arms: no arm always runs right after the same
+    one, whose clock and power state could carry into it). Until this form every round ran the
+    arms in the dict's order."""
     samplers = {k: timer.build(fn, n, k) for k, (fn, n) in arms.items()}
-    times = {k: [] for k in samplers}
-    for _ in range(rounds):
-        for k, s in samplers.items():
-            times[k].append(s.sample())
+    names = list(samplers)
+    times = {k: [] for k in names}
+    for r in range(rounds):
+        for i in round_order(len(names), r):
+            times[names[i]].append(samplers[names[i]].sample())
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -515,6 +515,38 @@ def test_fit_splitk_reads_the_sweeps_printed_log(tmp_path):
     assert res["8-16"]["rule_worst_loss"] == pytest.approx(11.0 / 10.1 - 1)
 
 
+# -- benchmarks/bench_decode_wgmma.py ------------------------------------------------------------
+def test_kernel_benchmarks_interleave_arms_in_a_williams_order():
+    """time_arms (the kernel benchmarks' timer) samples every arm once a round, in
+    ``round_order``'s order, so that an arm's predecessor changes from round to round; the medians
+    are each arm's own samples'."""
+    bench = _script("bench_decode_wgmma")
+    calls = []
+
+    class Sampler:
+        def __init__(self, name, values):
+            self.name, self.values = name, list(values)
+
+        def sample(self):
+            calls.append(self.name)
+            return self.values.pop(0)
+
+    values = {"a": [3, 1, 2, 9], "b": [5, 5, 4, 6], "c": [7, 8, 9, 7], "d": [1, 2, 1, 1]}
+
+    class Timer:
+        def build(self, fn, n, label):
+            assert n == 2 and fn(0) == label
+            return Sampler(label, values[label])
+
+    arms = {k: (lambda i, k=k: k, 2) for k in values}
+    med = bench.time_arms(Timer(), arms, rounds=4)
+    assert med == {"a": 2.5, "b": 5.0, "c": 7.5, "d": 1.0}
+    names = list(values)
+    assert calls == [names[i] for r in range(4) for i in round_order(4, r)]
+    predecessors = {(calls[j - 1], calls[j]) for j in range(1, len(calls)) if j % 4}
+    assert len(predecessors) == 12  # over 4 rounds every arm followed each of the other three
+
+
 # -- benchmarks/bench_shared.py -----------------------------------------------------------------
 def test_shared_benchmark_arms_compute_the_same_layer():
     """The arms of bench_shared.py (the interpreter's kernels here, bf16 rows): one layer's input
