@@ -201,22 +201,35 @@ def _iota(N: gl.constexpr, AXIS: gl.constexpr, RANK: gl.constexpr, PARENT: gl.co
 # times its value, exactly; their sum is 16 T, exactly (no overflow, no fp16 subnormal: the halves
 # are multiples of 2**-13), the weight that GEMM rounds to e4m3 with no multiply. (It took 64 T
 # before: two prmt and one add.f16x2 gathered the halves, one mul.f16x2 scaled the pair.)
-_FIRST_STATES = """
-        shr.u32 sa, $2, 16;
+
+
+def _first_states(t: str) -> str:
+    """The LCG words of a funnel word's two states (operand ``t``: the pair codec's first half)."""
+    return f"""
+        shr.u32 sa, {t}, 16;
         mad.lo.u32 xa, sa, 89226354, 64248484;
-        mad.lo.u32 xb, $2, 89226354, 1584945828;
+        mad.lo.u32 xb, {t}, 89226354, 1584945828;
         mad.lo.u32 xb, xa, 0xFFFF0000, xb;"""
-_PLACED_STATES = """
-        shr.u32 sa, $2, 16;
-        shr.u32 sb, $3, 16;
+
+
+def _placed_states(a: str, b: str) -> str:
+    """The LCG words of two states, each in the top half of its operand (``_states``)."""
+    return f"""
+        shr.u32 sa, {a}, 16;
+        shr.u32 sb, {b}, 16;
         mad.lo.u32 xa, sa, 89226354, 64248484;
         mad.lo.u32 xb, sb, 89226354, 64248484;"""
-_MASK = """
-        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;"""
-_MASK_X16 = """
-        lop3.b32 xa, xa, 0x8FFF8FFF, 0x4B604B60, 0x6A;
-        lop3.b32 xb, xb, 0x8FFF8FFF, 0x4B604B60, 0x6A;"""
+
+
+def _mask(xor: int) -> str:
+    """Each LCG word's halves masked and xored: (x & 0x8FFF) ^ ``xor`` (3INST's 0x3B60; 0x4B60: 16x)."""
+    return f"""
+        lop3.b32 xa, xa, 0x8FFF8FFF, 0x{xor:04X}{xor:04X}, 0x6A;
+        lop3.b32 xb, xb, 0x8FFF8FFF, 0x{xor:04X}{xor:04X}, 0x6A;"""
+
+
+_MASK = _mask(0x3B60)
+_MASK_X16 = _mask(0x4B60)
 _SUM_HALVES = """
         mov.b32 {al, ah}, xa;
         mov.b32 {bl, bh}, xb;
@@ -226,10 +239,10 @@ _SUM_HALVES = """
 _REGS = """{
         .reg .b32 sa, sb, xa, xb;
         .reg .b16 al, ah, bl, bh;"""
-_PAIR_VALUES_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK + _SUM_HALVES)
-_STATE_VALUES_ASM = gl.constexpr(_REGS + _PLACED_STATES + _MASK + _SUM_HALVES)
-_PAIR_VALUES_X16_ASM = gl.constexpr(_REGS + _FIRST_STATES + _MASK_X16 + _SUM_HALVES)
-_STATE_VALUES_X16_ASM = gl.constexpr(_REGS + _PLACED_STATES + _MASK_X16 + _SUM_HALVES)
+_PAIR_VALUES_ASM = gl.constexpr(_REGS + _first_states("$2") + _MASK + _SUM_HALVES)
+_STATE_VALUES_ASM = gl.constexpr(_REGS + _placed_states("$2", "$3") + _MASK + _SUM_HALVES)
+_PAIR_VALUES_X16_ASM = gl.constexpr(_REGS + _first_states("$2") + _MASK_X16 + _SUM_HALVES)
+_STATE_VALUES_X16_ASM = gl.constexpr(_REGS + _placed_states("$2", "$3") + _MASK_X16 + _SUM_HALVES)
 
 
 @gluon.jit
@@ -273,24 +286,14 @@ def _state_values_x16(sa, sb):
 # by the same x' (stored twice, transforms' HALVES order), so the tensor core forms lo x + hi x
 # and the exact codec's sum of each word's halves goes. Its weight is the unrounded lo + hi,
 # within half an fp16 ulp of T = fp16(lo + hi).
-_HALVES_TAIL = """
-        lop3.b32 xa, xa, 0x8FFF8FFF, 0x3B603B60, 0x6A;
-        lop3.b32 xb, xb, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+_HALVES_TAIL = _MASK + """
         mov.b32 {$0, $1}, xa;
         mov.b32 {$2, $3}, xb;
         }"""
-_PAIR_HALVES_ASM = gl.constexpr("""{
-        .reg .b32 sa, xa, xb;
-        shr.u32 sa, $4, 16;
-        mad.lo.u32 xa, sa, 89226354, 64248484;
-        mad.lo.u32 xb, $4, 89226354, 1584945828;
-        mad.lo.u32 xb, xa, 0xFFFF0000, xb;""" + _HALVES_TAIL)
-_STATE_HALVES_ASM = gl.constexpr("""{
-        .reg .b32 sa, sb, xa, xb;
-        shr.u32 sa, $4, 16;
-        shr.u32 sb, $5, 16;
-        mad.lo.u32 xa, sa, 89226354, 64248484;
-        mad.lo.u32 xb, sb, 89226354, 64248484;""" + _HALVES_TAIL)
+_HALVES_REGS = """{
+        .reg .b32 sa, sb, xa, xb;"""
+_PAIR_HALVES_ASM = gl.constexpr(_HALVES_REGS + _first_states("$4") + _HALVES_TAIL)
+_STATE_HALVES_ASM = gl.constexpr(_HALVES_REGS + _placed_states("$4", "$5") + _HALVES_TAIL)
 
 
 @gluon.jit
