@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prepared for one H200 call, not run yet: the fp8 decode GEMM's 256-token build with two k-blocks a
+# step (candidate.patch, README.md) against the build before it (the unpatched tree, snapshot as the
+# arm fp8@REV), in one process; then its 128-token form as a variant arm, K=3, and the sanitizer.
+# Usage on the device: ESCHA_GIT_SHA=<REV>+kb2 REV=<REV> bash benchmarks/results/fp8_kb2/run.sh
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+O=$OUT/fp8_kb2; mkdir -p $O
+finish() { cd $OUT && tar czf fp8_kb2.tgz fp8_kb2; exit "$1"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > $O/gpu.txt
+bash benchmarks/snapshot_kernels.sh "$REV" || finish 1  # .prev/*_$REV.py from the unpatched tree
+git apply benchmarks/results/fp8_kb2/candidate.patch 2>/dev/null || patch -p1 < benchmarks/results/fp8_kb2/candidate.patch \
+    || { echo "patch does not apply"; finish 1; }
+# Gates first: the e4m3 tiles bit for bit, the partials against the exact e4m3 product (a tile's odd
+# last k-block at K = 300 among them), two k-blocks a step bit-identical to one on grids that cut
+# the tiles alike, whole calls within the fp8 table. No timing if any fails.
+timeout 120 python -m pytest -q -m gpu tests/test_decode_fp8.py -p no:cacheprovider > $O/gpu_tests.txt 2>&1
+tail -n 2 $O/gpu_tests.txt
+tail -n 1 $O/gpu_tests.txt | grep -q " passed" && ! tail -n 1 $O/gpu_tests.txt | grep -qE "failed|error" \
+    || { echo "gates failed: not timed"; finish 1; }
+timeout 170 python benchmarks/bench_decode_fp8.py --out $O/fp8_k2 --ms 136,200,256 --shapes gate_up,down,down_8b \
+    --rounds 3 --previous .prev/decode_fp8_$REV.py > $O/fp8_k2.txt 2>&1
+grep -E "^(gate_up|down|GATE)" $O/fp8_k2/decode_fp8.log | cut -c1-300
+timeout 70 python benchmarks/bench_decode_fp8.py --out $O/fp8_bn128 --ms 96,128 --shapes gate_up,down --rounds 3 \
+    --build-variants > $O/fp8_bn128.txt 2>&1
+grep -E "^(gate_up|down|GATE)" $O/fp8_bn128/decode_fp8.log | cut -c1-300
+timeout 80 python benchmarks/bench_decode_fp8.py --out $O/fp8_k3 --bits 3 --ms 136,256 --shapes gate_up,down \
+    --rounds 3 --previous .prev/decode_fp8_$REV.py > $O/fp8_k3.txt 2>&1
+grep -E "^(gate_up|down|GATE)" $O/fp8_k3/decode_fp8.log | cut -c1-300
+ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=130,200,256 ESCHA_SANITIZER_SHAPES=257x300,130x1000 timeout 110 \
+    benchmarks/run_sanitizer.sh $O/sanitizer.txt > /dev/null 2>&1
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit code" $O/sanitizer.txt | tail -n 6
+finish 0
