@@ -41,11 +41,17 @@ def save_file(tensors: Mapping[str, QuantizedWeight | torch.Tensor], path: str |
             raise TypeError(f"metadata must map str to str, got {k!r}: {type(v).__name__}")
     flat: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
+    storages: set[int] = set()
 
     def put(key: str, t: torch.Tensor) -> None:
         if key in flat:
             raise ValueError(f"tensor name {key!r} is used twice")
-        flat[key] = t.detach().to("cpu").contiguous()
+        t = t.detach().to("cpu").contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()  # tied weights (an lm_head sharing the embedding): safetensors stores no aliases
+        if t.numel():
+            storages.add(t.untyped_storage().data_ptr())
+        flat[key] = t
 
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
@@ -66,6 +72,8 @@ def save_file(tensors: Mapping[str, QuantizedWeight | torch.Tensor], path: str |
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):  # else the error would name the temporary file
         raise FileNotFoundError(f"cannot write {path}: directory {folder} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"cannot write {path}: it is a directory (give a file name)")
     fd, tmp = tempfile.mkstemp(prefix=".escha-", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
@@ -123,8 +131,14 @@ def read_header(path: str) -> dict:
             raise FormatError(f"{path}: header is not valid JSON ({e}): not a safetensors file") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header is not a JSON object: not a safetensors file")
-    ends = [v["data_offsets"][1] for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    for k, v in header.items():
+        if k == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise FormatError(f"{path}: __metadata__ is not a map of strings: not a safetensors file")
+        elif (not isinstance(v, dict) or not isinstance(v.get("data_offsets"), list) or len(v["data_offsets"]) != 2
+              or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in v["data_offsets"])):
+            raise FormatError(f"{path}: tensor {k!r} has no valid data_offsets [begin, end]: not a safetensors file")
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
     if ends and 8 + n + max(ends) > size:
         raise FormatError(f"{path}: tensor data ends at byte {8 + n + max(ends)} but the file has {size} (truncated)")
     return header
@@ -165,9 +179,12 @@ def load_file(path: str | os.PathLike, device: torch.device | str = "cpu") -> di
     """Read a file written by save_file: QuantizedWeights under their names, other tensors as is.
 
     Every header field is checked against the tensors (version, K, codebook id, shapes, word
-    counts, sign and scale values); anything inconsistent raises FormatError naming it.
+    counts, sign and scale values); anything inconsistent raises FormatError naming it. Tensors
+    are placed on ``device`` (default the CPU). A missing path raises FileNotFoundError.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory, not a checkpoint file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file: {path}")
     header = read_header(path)

@@ -186,3 +186,42 @@ def test_load_to_device_keeps_plain_files(tmp_path):
     p = tmp_path / "plain.safetensors"
     st_save({"a": torch.randn(3)}, str(p))
     assert set(escha.load_file(p)) == {"a"}
+
+
+def test_tied_and_split_tensors_are_saved_as_copies(tmp_path):
+    """A tied lm_head (the embedding's own tensor) and views into one storage (a fused weight cut
+    into parts) are stored as separate tensors with their values: safetensors holds no aliases."""
+    emb = torch.randn(10, 4)
+    fused = torch.randn(6, 4)
+    p = tmp_path / "tied.safetensors"
+    escha.save_file({"embed": emb, "lm_head": emb, "q": fused[:2], "k": fused[2:4], "v": fused[4:]}, p)
+    got = escha.load_file(p)
+    assert torch.equal(got["embed"], emb) and torch.equal(got["lm_head"], emb)
+    assert torch.equal(torch.cat([got["q"], got["k"], got["v"]]), fused)
+
+
+def test_directories_are_named_as_such(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        escha.save_file({"b": torch.ones(2)}, tmp_path)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        escha.load_file(tmp_path)
+
+
+def _raw_file(tmp_path, header: dict):
+    b = json.dumps(header).encode()
+    b += b" " * (-len(b) % 8)
+    p = tmp_path / "raw.safetensors"
+    p.write_bytes(struct.pack("<Q", len(b)) + b + b"\0" * 64)
+    return p
+
+
+@pytest.mark.parametrize("header,msg", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8]}}, "data_offsets"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, "8"]}}, "data_offsets"),
+    ({"a": [0, 8]}, "data_offsets"),
+    ({"__metadata__": [1]}, "__metadata__ is not a map of strings"),
+    ({"__metadata__": {"escha": 5}}, "__metadata__ is not a map of strings"),
+])
+def test_malformed_headers_are_format_errors(tmp_path, header, msg):
+    with pytest.raises(FormatError, match=msg):
+        escha.load_file(_raw_file(tmp_path, header))
