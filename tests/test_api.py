@@ -21,7 +21,9 @@ def test_quantize_dequantize_shapes(shape, bits):
     wh = escha.dequantize(qw)
     assert wh.shape == shape and wh.dtype == torch.float32
     rel = float((wh - w).norm() / w.norm())
-    assert rel < 0.9  # a real approximation, not noise (the quantizer's own tests bound it tighter)
+    # A real approximation: the greedy encoder measures 0.24-0.67 at K=2 and 0.11-0.47 at K=3 on
+    # these shapes (zeros would give 1, a wrong sign 2); the Viterbi encoder's own tests bound it tighter.
+    assert rel < {2: 0.75, 3: 0.55}[bits]
 
 
 def test_quantize_is_deterministic_and_seeded():
@@ -133,3 +135,10 @@ def test_qweight_constructor_validates():
     with pytest.raises(escha.FormatError, match="one device"):
         escha.QuantizedWeight(t["trellis"], t["su"].to("meta"), t["sv"], t["scale"], t["gscale"],
                               (32, 40), 2)
+    for shape in [(32.7, 40), None, (32,), (True, 40), "32"]:  # refused, not truncated
+        with pytest.raises(escha.FormatError, match="shape must be two integers"):
+            escha.QuantizedWeight(t["trellis"], t["su"], t["sv"], t["scale"], t["gscale"], shape, 2)
+    with pytest.raises(escha.FormatError, match="shape must be positive"):
+        escha.QuantizedWeight(t["trellis"], t["su"], t["sv"], t["scale"], t["gscale"], (0, 40), 2)
+    with pytest.raises(escha.FormatError, match="shape must be two integers"):
+        random_qweight(32.5, 40)

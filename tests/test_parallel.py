@@ -74,10 +74,12 @@ def _tiny(kind: str, path: str, skip: tuple[str, ...] = ("lm_head",), **over) ->
                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=256,
                                       max_position_embeddings=256, pad_token_id=0, eos_token_id=1)
         model = transformers.Phi3ForCausalLM(cfg)
-    with torch.no_grad():  # transformers initialises biases to zero, which would hide a misplaced one
-        for m in model.modules():
+    with torch.no_grad():  # transformers initialises biases to zero and norm weights to one, which
+        for m in model.modules():  # would hide a misplaced one
             if isinstance(m, torch.nn.Linear) and m.bias is not None:
                 m.bias.normal_(0, 0.5)
+            elif "RMSNorm" in type(m).__name__ and getattr(m, "weight", None) is not None:
+                m.weight.uniform_(0.5, 1.5)
     src, out = path + "-src", path
     model.eval().save_pretrained(src)
     quantize_model(src, out, dataclasses.replace(FAST, skip=skip))

@@ -211,6 +211,7 @@ def test_dequant_hn_exact_and_poisoned():
     assert torch.equal(w8.cpu().float()[normal], want[normal])
     assert float((w8.cpu().float() - want).abs().max()) <= 2.0 ** -9  # subnormals: within half their step
     assert torch.equal(ws.cpu(), r / 0.5)
+    workspace(dev, FP8_DTYPE, (256, 640)).view(torch.uint8).fill_(0x7F)  # poisoned again for the second config
     w8b, _ = dequant_hn(qw, fp8=True, config=replace(base, k_per_prog=1, block_k=128))
     assert torch.equal(w8b.view(torch.uint8), w8.view(torch.uint8))  # same scratch, same bits
 

@@ -24,6 +24,31 @@ def test_nonfinite_weights_are_named() -> None:
         quantize(w)
 
 
+@pytest.mark.parametrize("kwargs,error,msg", [
+    ({"seed": "a"}, TypeError, "seed must be an integer"),
+    ({"seed": 1.5}, TypeError, "seed must be an integer"),
+    ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+    ({"damp": "x"}, TypeError, "damp must be a number"),
+    ({"damp": -1.0}, ValueError, "damp must be positive"),
+    ({"damp": float("nan")}, ValueError, "damp must be positive"),
+    ({"scale_search": "x"}, TypeError, "scale_search must be a ScaleSearch"),
+    ({"progress": "yes"}, TypeError, "progress must be None, True, False or a callable"),
+    ({"progress": lambda done: None}, TypeError, "progress must take two arguments"),
+    ({"hessian": -torch.eye(30)}, ValueError, r"diagonal entry \[0, 0\] is -1"),
+])
+def test_bad_arguments_are_named_before_any_work(kwargs, error, msg) -> None:
+    with pytest.raises(error, match=msg):
+        quantize(torch.randn(20, 30), **kwargs)
+
+
+@pytest.mark.parametrize("factor", [1e18, 1e-30])
+def test_magnitudes_the_scales_cannot_hold_are_refused(factor) -> None:
+    """Past 2**50 the encoder's float32 squares overflow (the scale became Inf); below 2**-50 they
+    underflow (the weight came back as zeros): W is refused, named, before the encode."""
+    with pytest.raises(ValueError, match="largest magnitude .* outside what escha quantizes"):
+        quantize(torch.randn(20, 30) * factor)
+
+
 def test_all_zero_is_exact() -> None:
     qw = quantize(torch.zeros(40, 130), bits=3)
     assert float(qw.gscale) == 0.0

@@ -74,6 +74,8 @@ def test_shard_errors():
     qw = random_qweight(256, 256)
     with pytest.raises(ShardError, match="rank 2 is outside world size 2"):
         qw.shard(0, 2, 2)
+    with pytest.raises(ShardError, match="rank must be an integer, got float 0.0"):
+        random_qweight(256, 128).shard(0, 0.0, 1)
     with pytest.raises(ShardError, match="rank -1"):
         qw.shard(1, -1, 2)
     with pytest.raises(ShardError, match="dim must be 0"):

@@ -1,6 +1,7 @@
 """QuantizedWeight: one Escha W2 matrix (trellis bits plus incoherence side information)."""
 from __future__ import annotations
 
+import operator
 from dataclasses import InitVar, dataclass, fields
 from typing import Callable, ClassVar, Sequence
 
@@ -12,6 +13,20 @@ from .spec import HAD_BLOCK, TILE, check_bits, padded, words_per_tile
 
 class FormatError(ValueError):
     """A tensor, file or header that does not follow the Escha W2 format."""
+
+
+def check_shape(shape: object) -> tuple[int, int]:
+    """(out_features, in_features) as two positive ints (numpy and 0-d torch integers accepted), or
+    a FormatError: a float or a missing dimension is refused, not truncated."""
+    try:
+        if isinstance(shape, (str, bytes)) or len(shape) != 2 or any(isinstance(s, bool) for s in shape):
+            raise TypeError
+        out = (operator.index(shape[0]), operator.index(shape[1]))
+    except (TypeError, ValueError, RuntimeError):
+        raise FormatError(f"shape must be two integers (out_features, in_features), got {shape!r}") from None
+    if min(out) < 1:
+        raise FormatError(f"shape must be positive, got {out}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,7 @@ class QuantizedWeight:
     check_values: InitVar[bool] = True
 
     def __post_init__(self, check_values: bool) -> None:
-        self.shape = tuple(int(s) for s in self.shape)  # type: ignore[assignment]
+        self.shape = check_shape(self.shape)  # type: ignore[assignment]
         self.validate(check_values)
 
     @classmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .qweight import QuantizedWeight
+from .qweight import QuantizedWeight, check_shape
 from .spec import TILE, check_bits, padded, words_per_tile
 
 
@@ -12,8 +12,11 @@ def random_qweight(out_features: int, in_features: int, bits: int = 2, seed: int
     """A QuantizedWeight with uniformly random trellis words, signs and scales near 1/sqrt(in).
 
     Every bit pattern is a valid tail-biting stream, so random words are a valid weight; such a
-    weight is what a kernel sees and costs nothing to make at full model size.
+    weight is what a kernel sees and costs nothing to make at full model size. ``seed`` fixes
+    every value; ``device`` is where the tensors are put. A non-integer or non-positive
+    dimension raises FormatError.
     """
+    out_features, in_features = check_shape((out_features, in_features))
     check_bits(bits)
     g = torch.Generator().manual_seed(seed)
     np_, kp = padded(out_features), padded(in_features)

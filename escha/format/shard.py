@@ -99,8 +99,10 @@ def shard_plan(shape: Sequence[int], dim: int, rank: int, world_size: int,
         raise ShardError(f"dim must be 0 (rows) or 1 (columns), got {dim!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ShardError(f"world_size must be a positive integer, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ShardError(f"rank {rank!r} is outside world size {world_size}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ShardError(f"rank must be an integer, got {type(rank).__name__} {rank!r}")
+    if not 0 <= rank < world_size:
+        raise ShardError(f"rank {rank} is outside world size {world_size}")
     size = int(shape[dim])
     what = f"{'rows' if dim == 0 else 'columns'} of a {shape[0]}x{shape[1]} weight"
     blocks, ranges = [], []

@@ -52,13 +52,18 @@ def check_finite_matrix(t: object, name: str, shape: tuple[int, int] | None = No
 
 
 def check_hessian(h: object, n_in: int) -> torch.Tensor:
-    """A finite, symmetric [n_in, n_in] tensor as float64 (symmetrised), or a clear error."""
+    """A finite, symmetric [n_in, n_in] tensor with no negative diagonal entry, as float64
+    (symmetrised), or a clear error."""
     h = check_finite_matrix(h, "hessian", (n_in, n_in))
     h64 = h.double()
     scale = float(h64.abs().max())
     asym = float((h64 - h64.T).abs().max())
     if asym > SYMMETRY_RTOL * max(scale, 1e-30):
         raise ValueError(f"hessian is not symmetric: max |H - H^T| = {asym:.3g} (max |H| = {scale:.3g})")
+    low = float(h64.diagonal().min())
+    if low < 0:  # E[x x^T] has no negative diagonal entry: a sign error upstream, not a damping matter
+        i = int(h64.diagonal().argmin())
+        raise ValueError(f"hessian must be E[x x^T] (positive semi-definite): diagonal entry [{i}, {i}] is {low:.3g}")
     return (h64 + h64.T) / 2
 
 

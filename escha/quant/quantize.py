@@ -1,6 +1,8 @@
 """escha.quantize: W [out, in] -> QuantizedWeight (incoherence, scale search, LDLQ, Viterbi)."""
 from __future__ import annotations
 
+import inspect
+import math
 import warnings
 from enum import Enum
 from typing import Sequence
@@ -59,9 +61,43 @@ def slow_notice(shape: tuple[int, int], n_tiles: int, bits: int, device: torch.d
             f"takes ~{format_seconds(gpu)} ({where})")
 
 
+# The magnitudes the encoder's float32 arithmetic takes without its squares over- or underflowing
+# (row RMS, the global scale): W's largest |w| must lie in [MIN_MAGNITUDE, MAX_MAGNITUDE] unless W is 0.
+MIN_MAGNITUDE, MAX_MAGNITUDE = 2.0**-50, 2.0**50
+
+
 def check_weight(w: object, name: str = "W") -> torch.Tensor:
-    """A 2-D, non-empty, finite floating tensor, or a ValueError/TypeError naming the problem."""
-    return check_finite_matrix(w, name)
+    """A 2-D, non-empty, finite floating tensor whose largest magnitude the encoder takes, or a
+    ValueError/TypeError naming the problem."""
+    w = check_finite_matrix(w, name)
+    top = float(w.detach().abs().max())
+    if top > MAX_MAGNITUDE or 0 < top < MIN_MAGNITUDE:
+        raise ValueError(f"{name}'s largest magnitude {top:.3g} is outside what escha quantizes "
+                         f"([{MIN_MAGNITUDE:.3g}, {MAX_MAGNITUDE:.3g}], or all zeros): rescale {name}")
+    return w
+
+
+def check_options(seed: object, damp: object, scale_search: object, progress: object) -> None:
+    """quantize's keyword arguments, each checked before any work: a TypeError or ValueError naming it."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    if not isinstance(damp, (int, float)) or isinstance(damp, bool):
+        raise TypeError(f"damp must be a number, got {type(damp).__name__} {damp!r}")
+    if not math.isfinite(damp) or damp <= 0:
+        raise ValueError(f"damp must be positive and finite (a fraction of the Hessian's mean diagonal), got {damp}")
+    if scale_search is not None and not isinstance(scale_search, ScaleSearch):
+        raise TypeError(f"scale_search must be a ScaleSearch or None, got {type(scale_search).__name__}")
+    if progress is not None and not isinstance(progress, bool):
+        if not callable(progress):
+            raise TypeError(f"progress must be None, True, False or a callable(done, total), got {progress!r}")
+        try:
+            inspect.signature(progress).bind(0, 1)
+        except TypeError:
+            raise TypeError(f"progress must take two arguments (done, total): {progress!r} does not") from None
+        except ValueError:  # a builtin without a signature: taken on trust
+            pass
 
 
 def to_tiles(t: torch.Tensor) -> torch.Tensor:
@@ -106,10 +142,13 @@ def quantize(W: torch.Tensor, bits: int = 2, hessian: torch.Tensor | None = None
             neither; a callable: called as progress(done_tiles, total_tiles), nothing drawn.
         device: where to compute; default CUDA when available and the matrix has >= 64 tiles.
 
-    Returns a QuantizedWeight on W's device.
+    Returns a QuantizedWeight on W's device. Every argument is checked before any work: a bad
+    one raises a TypeError or ValueError naming it (W's largest magnitude must lie in
+    [2**-50, 2**50], or W be all zeros).
     """
     check_weight(W)
     check_bits(bits)
+    check_options(seed, damp, scale_search, progress)
     cb = codebooks.get(codebook)
     enc = check_encoder(encoder)
     h = None if hessian is None else check_hessian(hessian, W.shape[1])
