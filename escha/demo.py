@@ -64,16 +64,32 @@ def _how(path, device: str) -> str:
     return ""
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (an empty matrix or batch has nothing to check)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``escha demo``."""
     p = sub.add_parser("demo", help="quantize a built-in sample matrix and check escha.matmul",
                        description=run.__doc__)
-    p.add_argument("--bits", type=int, default=2, choices=(1, 2, 3, 4))
+    p.add_argument("--bits", type=int, default=2, choices=(1, 2, 3, 4),
+                   help="K, bits per weight of the trellis code (default 2)")
     # 128 tiles: a few seconds for the exact Viterbi encoder on a 2-core CPU, instant on a GPU.
-    p.add_argument("--out-features", type=int, default=128)
-    p.add_argument("--in-features", type=int, default=256)
-    p.add_argument("--m", type=int, default=8, help="activation rows")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-features", type=positive_int, default=128,
+                   help="rows of the sample matrix (default 128)")
+    p.add_argument("--in-features", type=positive_int, default=256,
+                   help="columns of the sample matrix (default 256)")
+    p.add_argument("--m", type=positive_int, default=8,
+                   help="activation rows multiplied by the quantized matrix (default 8)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sample matrix, the activations and the sign vectors (default 0)")
     p.add_argument("--encoder", choices=("viterbi", "greedy"), default="viterbi",
                    help="trellis encoder: exact tail-biting Viterbi (default) or the greedy baseline")
     p.set_defaults(func=run)

@@ -31,6 +31,33 @@ def test_demo_bad_bits(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("--out-features", "0", "argument --out-features: must be at least 1, got 0"),
+    ("--out-features", "-5", "argument --out-features: must be at least 1, got -5"),
+    ("--in-features", "0", "argument --in-features: must be at least 1, got 0"),
+    ("--m", "-1", "argument --m: must be at least 1, got -1"),
+    ("--m", "0", "argument --m: must be at least 1, got 0"),
+    ("--m", "two", "argument --m: expected a positive integer, got 'two'"),
+])
+def test_demo_refuses_empty_and_negative_sizes(capsys, option, value, message):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"escha demo: error: {message}" and "Traceback" not in err
+
+
+def test_demo_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for d in ("bits per weight of the trellis code (default 2)", "rows of the sample matrix (default 128)",
+              "columns of the sample matrix (default 256)", "by the quantized matrix (default 8)",
+              "the sign vectors (default 0)"):
+        assert d in text, d
+
+
 def test_demo_runs_and_checks(capsys):
     # The greedy encoder keeps this CPU test fast; the demo's default is the Viterbi encoder.
     assert main(["demo", "--out-features", "64", "--in-features", "96", "--m", "3", "--encoder", "greedy"]) == 0

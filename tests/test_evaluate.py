@@ -160,16 +160,20 @@ def test_cli_json(llama, text):
     ("bad_seq_len", "--seq-len must be at least 2"),
     ("too_long", "exceeds the model's 128 positions"),
     ("bad_device", "--device 'gpu0' is not a device; use cpu, cuda or cuda:N"),
+    ("config_list", "config.json must hold a JSON object, got a list"),
 ])  # a truncated checkpoint and --device cuda without CUDA: tests/test_quantize_cli.py
 def test_cli_errors(llama, text, tmp_path, case, message):
     short = tmp_path / "short.txt"
     short.write_text("too short", encoding="utf-8")
+    (tmp_path / "listcfg").mkdir()
+    (tmp_path / "listcfg" / "config.json").write_text("[1, 2]", encoding="utf-8")
     args = {"missing_dir": [str(tmp_path / "nope"), "--text", text],
             "missing_text": [llama, "--text", str(tmp_path / "nope.txt")],
             "short_text": [llama, "--text", str(short), "--seq-len", "64"],
             "bad_seq_len": [llama, "--text", text, "--seq-len", "1"],
             "too_long": [llama, "--text", text, "--seq-len", "256"],
-            "bad_device": [llama, "--text", text, "--device", "gpu0"]}[case]
+            "bad_device": [llama, "--text", text, "--device", "gpu0"],
+            "config_list": [str(tmp_path / "listcfg"), "--text", text]}[case]
     res = run_cli(*args)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()

@@ -117,7 +117,16 @@ def runs(single, fast, tmp_path_factory):
     text = root / "eval.txt"
     text.write_text("calibration " * 400, encoding="utf-8")
     out = lambda name: str(root / f"out-{name}")  # noqa: E731
+    (root / "out-out_is_file").write_text("not a directory", encoding="utf-8")
+    (root / "calib-empty.txt").write_bytes(b"")
+    (root / "calib-latin1.txt").write_bytes("déjà vu".encode("latin-1"))
+    (root / "calib-dir").mkdir()
+    calib = lambda name: [*fast, "--calib", str(root / name)]  # noqa: E731 (the last --calib wins)
     cases = {
+        "out_is_file": (["quantize", str(single), out("out_is_file"), *fast], None, None),
+        "calib_empty": (["quantize", str(single), out("calib_empty"), *calib("calib-empty.txt")], None, None),
+        "calib_latin1": (["quantize", str(single), out("calib_latin1"), *calib("calib-latin1.txt")], None, None),
+        "calib_dir": (["quantize", str(single), out("calib_dir"), *calib("calib-dir")], None, None),
         "truncated": (["quantize", str(cut), out("cut"), *fast], None, cut),
         "random": (["quantize", str(noise), out("noise"), *fast], None, noise),
         "nan": (["quantize", str(nan), out("nan"), *fast], None, nan),
@@ -162,6 +171,22 @@ def test_device_cuda_with_a_cpu_only_torch(runs, single):
     with pytest.raises(DeviceError, match="was built without CUDA") as e:
         load_model(str(single), device="cuda")
     assert "\n" not in str(e.value)
+
+
+def test_out_dir_that_is_a_file(runs):
+    res, _, out = runs["out_is_file"]
+    assert_one_line_error(res, f"escha quantize: error: OUT_DIR {out} exists and is not a directory")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("calib_empty", "calib-empty.txt holds no text"),
+    ("calib_latin1", "calib-latin1.txt is not UTF-8 text (byte 1: invalid continuation byte)"),
+    ("calib_dir", "calib-dir is a directory; expected a UTF-8 text file"),
+])
+def test_bad_calibration_file(runs, case, message):
+    res, _, out = runs[case]
+    assert_one_line_error(res, f"escha quantize: error: calibration file {out.parent}", message)
+    assert not out.exists()  # refused before any work
 
 
 def test_device_that_does_not_exist(runs):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import ModelError
+
 # The default calibration corpus (package data; escha/model/data/README.md says what it holds):
 # about 790k tokens of English from the Python documentation, the Jargon File and The Devil's
 # Dictionary, interleaved so that any stretch of it mixes the registers.
@@ -69,17 +71,27 @@ def default_calibration() -> tuple[list[str], str]:
 
 
 def read_calibration(path: str | None) -> list[str]:
-    """Paragraphs of a UTF-8 text file (split on blank lines), or of the default corpus."""
+    """Paragraphs of a UTF-8 text file (split on blank lines), or of the default corpus.
+
+    A missing file raises FileNotFoundError; a directory, an unreadable or non-UTF-8 file, or
+    one holding only whitespace raises ModelError, each one line naming the file.
+    """
     if path is None:
         return default_calibration()[0]
+    if os.path.isdir(path):
+        raise ModelError(f"calibration file {path} is a directory; expected a UTF-8 text file")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"calibration file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise ModelError(f"calibration file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ModelError(f"calibration file {path} cannot be read: {e.strerror or e}") from None
     parts = [p.strip() for p in text.split("\n\n") if p.strip()]
     if not parts:
-        raise ValueError(f"calibration file {path} holds no text")
+        raise ModelError(f"calibration file {path} holds no text")
     return parts
 
 

@@ -17,7 +17,6 @@ Convention (the same for every model, so numbers compare):
 from __future__ import annotations
 
 import gzip
-import json
 import lzma
 import math
 import os
@@ -149,11 +148,10 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int = 2048, *, max_
 # -- model directories --------------------------------------------------------------------------
 def is_escha_dir(model_dir: str) -> bool:
     """Whether config.json carries an escha ``quantization_config``."""
-    path = os.path.join(model_dir, "config.json")
+    from .loading import read_config_json
     try:
-        with open(path, encoding="utf-8") as f:
-            qc = json.load(f).get("quantization_config")
-    except (OSError, ValueError):
+        qc = read_config_json(model_dir).get("quantization_config")
+    except (OSError, ValueError):  # ModelError is a ValueError
         return False
     from .output import QUANT_METHOD
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
@@ -179,11 +177,9 @@ def load_for_eval(model_dir: str | os.PathLike, device: str | torch.device | Non
     set on every EschaLinear (None keeps escha.matmul's default, fp8 for long inputs). Plain
     checkpoints load through ``AutoModelForCausalLM.from_pretrained`` (``precision`` ignored).
     """
+    from .loading import read_config_json
     model_dir = os.fspath(model_dir)
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model directory not found: {model_dir}")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(f"{model_dir} has no config.json")
+    read_config_json(model_dir)  # a missing directory or a config.json that is no JSON object: one line
     if precision is not None and precision not in PRECISIONS:
         raise EvalInputError(f"--precision must be one of {PRECISIONS}, got {precision!r}")
     device = resolve_device(device, "--device")

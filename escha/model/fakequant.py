@@ -19,7 +19,7 @@ from ..progress import bar as progress_bar
 from .calib import calibration_seq_len, read_calibration, tokenize
 from .checkpoint import find_layer_stack
 from .engine import HessianCollector, capture_inputs, run_tail, target_linears
-from .options import QuantizeOptions
+from .options import QuantizeOptions, options_or_default
 from .pipeline import is_causal, quantization_device, quantization_targets
 
 # quantize(name, W float32 [out, in], H float32 [in, in] or None) -> W_hat [out, in]
@@ -63,7 +63,7 @@ def fake_quantize_module(model: nn.Module, quantize: WeightQuantizer, options: Q
     without it, every weight is passed with ``H = None`` and no calibration runs. Tied output
     embeddings are left alone, as escha leaves them.
     """
-    options = options or QuantizeOptions()
+    options = options_or_default(options)
     t0 = time.perf_counter()
     report = FakeQuantReport()
     stack_name, stack = find_layer_stack(model, getattr(model.config, "num_hidden_layers", None))

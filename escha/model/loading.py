@@ -9,6 +9,7 @@ from torch import nn
 
 from ..devices import resolve_device
 from ..format.qweight import QuantizedWeight
+from ..format.spec import check_bits
 from ..io import load_file
 from ..nn.linear import EschaLinear, replace_linear
 from .checkpoint import (INDEX_NAME, build_skeleton, meta_tensors, set_tensor, tie_output_embeddings)
@@ -16,17 +17,37 @@ from .errors import ModelError
 from .output import QUANT_METHOD
 
 
-def read_quantization_config(model_dir: str) -> dict:
-    """config.json's ``quantization_config``, checked to be an Escha one."""
+def read_config_json(model_dir: str) -> dict:
+    """The JSON object in ``model_dir``/config.json; a missing directory or file raises
+    FileNotFoundError, a file that is not a JSON object ModelError, each naming it."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir} has no config.json")
-    with open(path, encoding="utf-8") as f:
-        qc = json.load(f).get("quantization_config")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{path} must hold a JSON object, got a {type(config).__name__}")
+    return config
+
+
+def read_quantization_config(model_dir: str) -> dict:
+    """config.json's ``quantization_config``, checked to be an Escha one with a valid bits_map."""
+    path = os.path.join(model_dir, "config.json")
+    qc = read_config_json(model_dir).get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
         raise ModelError(f"{path} has no escha quantization_config (was the model made by `escha quantize`?)")
     if not isinstance(qc.get("bits_map"), dict):
         raise ModelError(f"{path}: quantization_config has no bits_map")
+    for name, bits in qc["bits_map"].items():
+        try:
+            check_bits(bits)
+        except ValueError as e:
+            raise ModelError(f"{path}: quantization_config.bits_map[{name!r}]: {e}") from None
     return qc
 
 
@@ -49,8 +70,15 @@ def install_escha_linears(model: nn.Module, bits_map: dict[str, int], device: to
 def _shards(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, INDEX_NAME)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                data = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelError(f"{index} is not valid JSON ({e})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ModelError(f"{index} has no \"weight_map\" object of tensor names to shard file names")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -76,19 +104,38 @@ def escha_skeleton(model_dir: str, dtype: torch.dtype | None) -> nn.Module:
     return model
 
 
+def check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a floating torch.dtype (a name such as "bfloat16" is accepted, as in
+    QuantizeOptions.dtype), or None; anything else raises TypeError or ModelError naming it."""
+    if dtype is None:
+        return None
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(dt, torch.dtype):
+        if isinstance(dtype, str):
+            raise ModelError(f"dtype must name a torch floating dtype (e.g. 'bfloat16'), got {dtype!r}")
+        raise TypeError(f"dtype must be a torch.dtype, a name such as 'bfloat16', or None; "
+                        f"got {type(dtype).__name__}")
+    if not dt.is_floating_point:
+        raise ModelError(f"dtype must be a floating dtype, got {dt}")
+    return dt
+
+
 def load_model(model_dir: str | os.PathLike, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None, tensor_parallel: bool | None = None) -> nn.Module:
+               dtype: torch.dtype | str | None = None, tensor_parallel: bool | None = None) -> nn.Module:
     """Load a directory written by ``escha quantize`` as a transformers model (eval mode).
 
     The model is built with meta parameters, its quantized Linears replaced by EschaLinear, then
     filled shard by shard. ``device``: None puts it on CUDA when torch sees a GPU (the current
     device), else on the CPU; a device this torch cannot use raises escha.devices.DeviceError
     (one line). Plain tensors take ``dtype`` (default: the config's dtype, else float32); the
-    Escha buffers keep the format's dtypes. ``.generate`` works for causal LMs.
+    Escha buffers keep the format's dtypes; a name ("bfloat16") is accepted for ``dtype``. A
+    directory that is missing or not written by ``escha quantize`` raises FileNotFoundError or
+    ModelError, one line naming the file. ``.generate`` works for causal LMs.
     Inside an initialised torch.distributed group of several ranks (``tensor_parallel`` None or
     True), each rank loads only its tensor-parallel shards (``escha.parallel``).
     """
     from ..parallel import load_model_parallel, tensor_parallel_active
+    dtype = check_dtype(dtype)
     if tensor_parallel or (tensor_parallel is None and tensor_parallel_active()):
         # The device is resolved inside the ranks' agreement, so a bad one fails every rank.
         return load_model_parallel(model_dir, device, dtype)
@@ -97,11 +144,11 @@ def load_model(model_dir: str | os.PathLike, device: torch.device | str | None =
 
 
 def load_unfused(model_dir: str | os.PathLike, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> nn.Module:
+                 dtype: torch.dtype | str | None = None) -> nn.Module:
     """``load_model`` on one process without its last step (``finish``): every quantized Linear an
     EschaLinear of its own, the norms as modules of the model, the model in training mode. What
     scale tuning (``escha.model.tune``) trains, and writes back to the directory."""
-    model_dir = os.fspath(model_dir)
+    model_dir, dtype = os.fspath(model_dir), check_dtype(dtype)
     device = resolve_device(device)
     model = escha_skeleton(model_dir, dtype)
     expected = set(model.state_dict().keys())

@@ -28,7 +28,8 @@ class QuantizeOptions:
     bits: int | None = 2
     bpw: float | None = None
     calib: str | None = None  # UTF-8 text file; None = the shipped corpus (escha/model/data)
-    skip: tuple[str, ...] = DEFAULT_SKIP  # module names or globs; the whole list (lm_head included)
+    # Module names or globs; the whole list (lm_head included). A single string is one pattern.
+    skip: tuple[str, ...] | str = DEFAULT_SKIP
     seed: int = 0
     # None: quantize_model uses CUDA when torch sees a GPU, else the CPU; quantize_module and
     # fake_quantize_module the device the model is on.
@@ -50,7 +51,14 @@ class QuantizeOptions:
     tune_lr: float = 1e-3
 
     def __post_init__(self) -> None:
-        self.skip = tuple(s for s in self.skip if s)
+        # A string is iterable: without this, "lm_head" would become seven one-letter patterns.
+        skip = (self.skip,) if isinstance(self.skip, str) else self.skip
+        if not isinstance(skip, (tuple, list)) or not all(isinstance(s, str) for s in skip):
+            raise TypeError(f"skip must be a module name or a tuple of names/globs, got {self.skip!r}")
+        self.skip = tuple(s for s in skip if s)
+        _check_number("bpw", self.bpw, float, optional=True)
+        _check_number("seq_len", self.seq_len, int)
+        _check_number("max_samples", self.max_samples, int)
         if self.bpw is not None:
             if not (ALLOWED_BITS[0] <= self.bpw <= ALLOWED_BITS[-1]):
                 raise ModelError(f"--bpw must lie in [{ALLOWED_BITS[0]}, {ALLOWED_BITS[-1]}], got {self.bpw}")
@@ -97,6 +105,27 @@ class QuantizeOptions:
         keep = {k: v for k, v in asdict(self).items()
                 if k not in ("bpw", "bits", "device", "progress", "calib", "tune_steps", "tune_lr")}
         return {**keep, "skip": list(self.skip), "candidates": list(self.candidates), **extra}
+
+
+def options_or_default(options: QuantizeOptions | None) -> QuantizeOptions:
+    """``options``, or the defaults for None; anything else (a dict of settings) raises TypeError."""
+    if options is None:
+        return QuantizeOptions()
+    if not isinstance(options, QuantizeOptions):
+        raise TypeError(f"options must be a QuantizeOptions (e.g. QuantizeOptions(bits=2)), "
+                        f"got {type(options).__name__}")
+    return options
+
+
+def _check_number(name: str, value: object, kind: type, optional: bool = False) -> None:
+    """Raise TypeError naming option ``name`` unless ``value`` is an int (or, for float, any real
+    number), or None where ``optional``; bools are refused (True would pass as 1)."""
+    if value is None and optional:
+        return
+    ok = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        raise TypeError(f"{name} must be {'a number' if kind is float else 'an int'}"
+                        f"{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass

@@ -33,7 +33,7 @@ from .checkpoint import (CheckpointReader, build_skeleton, find_layer_stack, is_
 from .engine import (Calibration, HessianCollector, capture_inputs, quantize_linears, run_tail, skip_matches,
                      target_linears)
 from .errors import ModelError
-from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions
+from .options import DEFAULT_SKIP, LinearStats, QuantizeOptions, options_or_default
 from .report import QuantizeReport
 from .store import PARTIAL_DIR, PartialStore, discard_partial
 from .tune import DEFAULT_STEPS, TunePlan, plan, result_json, tune_directory
@@ -286,7 +286,7 @@ def quantize_module(model: nn.Module, options: QuantizeOptions | None = None, to
     (``tune_steps`` None or 0): it needs the reference next to the quantized model, which
     ``quantize_model`` reads from the checkpoint (or call ``escha.model.tune.tune_scales``).
     """
-    options = options or QuantizeOptions()
+    options = options_or_default(options)
     if options.tune_steps:
         raise ModelError("quantize_module does not tune scales: quantize_model (escha quantize) does, "
                          "or call escha.model.tune.tune_scales with the reference model")
@@ -345,10 +345,17 @@ def _to_device(module: nn.Module, prefix: str, root: nn.Module, device: torch.de
             set_tensor(root, f"{prefix}.{name}" if prefix else name, buf.to(device))
 
 
-def _check_out_dir(model_dir: str, out_dir: str, overwrite: bool) -> None:
-    from .output import clear_output, is_output_file
+def _check_out_path(model_dir: str, out_dir: str) -> None:
+    """What can be said of OUT_DIR before any work: it is not MODEL_DIR, nor a file."""
     if os.path.abspath(model_dir) == os.path.abspath(out_dir):
         raise ModelError("OUT_DIR must differ from MODEL_DIR")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ModelError(f"OUT_DIR {out_dir} exists and is not a directory; choose a directory path")
+
+
+def _check_out_dir(model_dir: str, out_dir: str, overwrite: bool) -> None:
+    from .output import clear_output, is_output_file
+    _check_out_path(model_dir, out_dir)
     if os.path.isdir(out_dir):
         present = [f for f in os.listdir(out_dir) if f != PARTIAL_DIR]
         if (present and os.path.isdir(os.path.join(out_dir, PARTIAL_DIR)) and "config.json" not in present
@@ -388,16 +395,31 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     Streams one layer at a time (parameters of the others stay on the meta device), saves each
     finished layer to OUT_DIR/.partial/ and skips those on a rerun, then writes an HF-style
     directory: config.json with ``quantization_config``, safetensors shards, tokenizer files and
-    escha_report.json. ``restart`` discards earlier partial results.
+    escha_report.json.
+
+    Args:
+        model_dir: the checkpoint (config.json and safetensors).
+        out_dir: the directory to write; it must not be ``model_dir`` nor a file.
+        options: a QuantizeOptions (None: its defaults, K=2 everywhere but lm_head); a dict of
+            settings raises TypeError: pass ``QuantizeOptions(**settings)``.
+        restart: discard earlier partial results instead of resuming from them.
+        overwrite: replace the files of a model already in ``out_dir``; without it a non-empty
+            ``out_dir`` (other than partial results) raises ModelError.
+
+    Returns:
+        The QuantizeReport of the run (also written to ``out_dir``/escha_report.json).
     """
     from .. import __version__
     from .output import write_output, write_report
 
-    options = options or QuantizeOptions()
+    options = options_or_default(options)
     t0 = time.perf_counter()
     model_dir, out_dir = os.fspath(model_dir), os.fspath(out_dir)
     reader = CheckpointReader(model_dir)
     config = _load_config(model_dir)
+    _check_out_path(model_dir, out_dir)
+    # Before the checkpoint's weights load: a bad calibration file fails in a moment.
+    texts = read_calibration(options.calib)
     device, dtype = resolve_device(options.device), options.torch_dtype
     model = build_skeleton(config, dtype)
     stack_name, stack = find_layer_stack(model, getattr(config, "num_hidden_layers", None))
@@ -419,7 +441,6 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     causal = is_causal(model)
     if options.tune_steps and not causal:
         raise ModelError(f"scale tuning (--tune-steps) needs a causal language model; {type(model).__name__} is not one")
-    texts = read_calibration(options.calib)
     samples = tokenize(texts, _load_tokenizer(model_dir), config.vocab_size, causal,
                        calibration_seq_len(config, options.seq_len), options.max_samples)
     if restart:
