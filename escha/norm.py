@@ -8,6 +8,7 @@ input transform, which reads every row anyway: ``escha.nn.fold_norms`` does that
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ class RowNorm:
     def __post_init__(self) -> None:
         if not isinstance(self.weight, torch.Tensor) or self.weight.dim() != 1:
             raise TypeError("RowNorm.weight must be a 1-D tensor")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, numbers.Real):
+            raise TypeError(f"RowNorm.eps must be a float, got {type(self.eps).__name__}")
         if not self.eps >= 0:
             raise ValueError(f"RowNorm.eps must be non-negative, got {self.eps!r}")
 
@@ -66,6 +69,8 @@ class HeadNorm:
         if tuple(self.blocks.shape) != (self.weight.shape[0] // HEAD,):
             raise ValueError(f"HeadNorm.blocks must hold one flag a block, [{self.weight.shape[0] // HEAD}]; got "
                              f"{list(self.blocks.shape)}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, numbers.Real):
+            raise TypeError(f"HeadNorm.eps must be a float, got {type(self.eps).__name__}")
         if not self.eps >= 0:
             raise ValueError(f"HeadNorm.eps must be non-negative, got {self.eps!r}")
 
@@ -84,5 +89,6 @@ class HeadNorm:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight.view(-1, HEAD) * h.to(y.dtype)
         y2 = torch.where(self.blocks.view(-1, 1).to(torch.bool), normed.to(y.dtype), y2)
-        return y2.reshape(-1, np_)[:, :out].reshape(y.shape)
+        # Contiguous, like the kernels' outputs and escha.matmul's fake output (cropping leaves a view).
+        return y2.reshape(-1, np_)[:, :out].reshape(y.shape).contiguous()
 

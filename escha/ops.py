@@ -37,15 +37,17 @@ the reference path, whatever path was asked for, since compiled Triton kernels c
 The entry point is the custom op ``escha::matmul`` (x, the weight's stored tensors as
 ``QuantizedWeight.TENSORS`` declares them, then ints), with a fake implementation, so it works
 under torch.compile(fullgraph=True) and inside CUDA-graph capture: nothing in it synchronizes
-with the host or copies from host memory. A plain eager call (no compiler, tracer, dispatch mode,
-profiler or gradient involved) runs the same implementation without the op's dispatch, which
-costs as much host time as the kernels' launches at a few tokens.
+with the host or copies from host memory. Its backward gives x's gradient (the quantized weight is
+frozen) through ``escha::dequantize``, an op of its own so that a compiled backward need not trace
+the reference decoder. A plain eager call (no compiler, tracer, dispatch mode, profiler or
+gradient involved) runs the same implementation without the op's dispatch, which costs as much
+host time as the kernels' launches at a few tokens.
 """
 from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -194,6 +196,19 @@ class DispatchRule:
     #: fp8 tensor cores").
     fp8_decode_max_m: int = 256
 
+    def __post_init__(self) -> None:
+        # The thresholds become ints of the custom op's schema; the ranges above must not overlap
+        # (an fp8_decode_max_m below dequant_min_m leaves the fp8 decode range empty, which is allowed).
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"DispatchRule.{f.name} must be an int, got {type(v).__name__}")
+            if v < 0:
+                raise ValueError(f"DispatchRule.{f.name} must be non-negative, got {v}")
+        if self.dequant_min_m <= self.decode_max_m:
+            raise ValueError(f"DispatchRule.dequant_min_m must be greater than decode_max_m ({self.decode_max_m}), "
+                             f"got {self.dequant_min_m}")
+
     def choose(self, m: int, precision: Precision | str = Precision.FP8, *, in_features: int) -> KernelPath:
         """The path for M rows of a weight with ``in_features`` inputs at this precision."""
         if _PRECISION_CODE[precision] == _PRECISION_CODE[Precision.BF16]:
@@ -235,14 +250,42 @@ def check_inputs(x: object, qw: object) -> None:
     common.check_operands(x, qw)
 
 
+def _check_choice(path: object, precision: object, rule: object) -> None:
+    """Raise a TypeError/ValueError naming the problem if (path, precision, rule) is not a choice
+    escha.matmul accepts."""
+    if path is not None and not isinstance(path, str):  # KernelPath members are strings too
+        raise TypeError(f"path must be None, a KernelPath or one of {[p.value for p in _PATHS]}, "
+                        f"got {type(path).__name__}")
+    if path is not None and path not in _PATH_CODE:
+        raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be a Precision or one of {[p.value for p in _PRECISIONS]}, "
+                        f"got {type(precision).__name__}")
+    if precision not in _PRECISION_CODE:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {[p.value for p in _PRECISIONS]}")
+    if rule is not None and not isinstance(rule, DispatchRule):
+        raise TypeError(f"rule must be an escha.DispatchRule or None, got {type(rule).__name__}")
+
+
+def _check_rows(qw: object, M: object) -> None:
+    """Raise a TypeError/ValueError unless qw is a QuantizedWeight and M a positive int."""
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"qw must be a QuantizedWeight, got {type(qw).__name__}")
+    if isinstance(M, bool) or not isinstance(M, int):
+        raise TypeError(f"M (rows of x) must be an int, got {type(M).__name__}")
+    if M < 1:
+        raise ValueError(f"M (rows of x) must be positive, got {M}")
+
+
 def available_paths(qw: QuantizedWeight, M: int) -> list[KernelPath]:
     """Every path that can run for this weight at M rows on its device (reference always)."""
+    _check_rows(qw, M)
     kernels = _kernels_run_on(qw.device)
     return [p for p, op in dispatch_table().items() if op.available(qw.device, qw.bits, M, kernels)]
 
 
 def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = None,
-                 precision: Precision | str = Precision.FP8, rule: DispatchRule = DEFAULT_RULE) -> KernelPath:
+                 precision: Precision | str = Precision.FP8, rule: DispatchRule | None = DEFAULT_RULE) -> KernelPath:
     """The path ``matmul(x, qw, ...)`` runs for M rows of x (what it does, without running it).
 
     The rule's decode range runs the register-operand kernel where it can (Hopper, K = 2 or 3:
@@ -250,10 +293,16 @@ def resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None = No
     of 12 points up to 16 tokens on four shapes, docs/KERNELS.md); elsewhere the portable kernel,
     up to its 64 tokens; above those, dequantize-once, but from dequant_min_m to
     fp8_decode_max_m the fp8 decode GEMM where it can (Hopper, K = 2 or 3). A path asked for by
-    name runs as asked.
+    name runs as asked. ``rule=None`` means DEFAULT_RULE, as in matmul.
     """
-    if path is not None and path not in _PATH_CODE:
-        raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
+    _check_rows(qw, m)
+    _check_choice(path, precision, rule)
+    return _resolve_path(m, qw, path, precision, DEFAULT_RULE if rule is None else rule)
+
+
+def _resolve_path(m: int, qw: QuantizedWeight, path: KernelPath | str | None, precision: Precision | str,
+                  rule: DispatchRule) -> KernelPath:
+    """resolve_path on checked arguments."""
     device = qw.device
     return _resolve(m, qw.shape, qw.bits, qw.codebook_id, device, _kernels_run_on(device),
                     None if path is None else _PATH_CODE[path], _PRECISION_CODE[precision], rule)
@@ -308,7 +357,7 @@ def _product(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None
     m = x2d.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], qw.out_features), dtype=_out_dtype(x, None if norm is None else norm.weight))
-    op = dispatch_table()[resolve_path(m, qw, path, precision, rule)]
+    op = dispatch_table()[_resolve_path(m, qw, path, precision, rule)]
     kwargs = {}
     if norm is not None:
         if op.fuses_norm and norm.fusable(x2d):
@@ -363,8 +412,77 @@ def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features), dtype=_out_dtype(x, norm_weight))
 
 
+def _dequantize_impl(*args) -> torch.Tensor:
+    """escha::dequantize: W_hat [out, in] float32 of the weight's stored tensors and ints."""
+    from .format.codec import dequantize
+    tensors, (out_features, in_features, bits, codebook_id) = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):]
+    return dequantize(QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id))
+
+
+def _dequantize_fake(*args) -> torch.Tensor:
+    out_features, in_features = args[len(TENSOR_NAMES):len(TENSOR_NAMES) + 2]
+    return args[0].new_empty((out_features, in_features), dtype=torch.float32)
+
+
+# matmul's backward multiplies by W_hat: an op, since a compiled backward cannot trace the reference decoder.
+_dequantize_op = torch.library.custom_op(
+    "escha::dequantize", _dequantize_impl, mutates_args=(),
+    schema="(" + ", ".join(f"Tensor {n}" for n in TENSOR_NAMES)
+           + ", int out_features, int in_features, int bits, int codebook_id) -> Tensor")
+_dequantize_op.register_fake(_dequantize_fake)
+
+
+def _matmul_setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep what escha::matmul's backward needs: the weight's tensors and ints, the norms, and x with norms."""
+    x, args = inputs[0], inputs[1:]
+    norm_weight, norm_eps, head_weight, head_blocks, head_eps = (tuple(args[_N_FIXED:]) + _OPTIONAL)[:len(_OPTIONAL)]
+    ctx.ints, ctx.eps, ctx.x_dtype = args[len(TENSOR_NAMES):_N_FIXED], (norm_eps, head_eps), x.dtype
+    # x is needed only to differentiate through the norms; without them the gradient is linear in grad_y.
+    normed = norm_weight is not None or head_weight is not None
+    ctx.save_for_backward(x if normed else None, *args[:len(TENSOR_NAMES)], norm_weight, head_weight, head_blocks)
+
+
+def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
+    """Gradients of escha::matmul: x's (grad_y @ W_hat) and the norms' weights'; the quantized
+    weight is frozen (None for its tensors), as are the ints, flags and eps."""
+    x, *saved = ctx.saved_tensors
+    tensors, (norm_weight, head_weight, head_blocks) = saved[:len(TENSOR_NAMES)], saved[len(TENSOR_NAMES):]
+    out_features, in_features = ctx.ints[:2]
+    w = torch.ops.escha.dequantize(*tensors, *ctx.ints[:4])
+    grads: list[torch.Tensor | None] = [None] * (1 + _N_FIXED + len(_OPTIONAL))
+    i_norm, i_head = 1 + _N_FIXED, 1 + _N_FIXED + 2  # positions of norm_weight, head_weight
+    if norm_weight is None and head_weight is None:
+        if ctx.needs_input_grad[0]:
+            g = grad_y.reshape(-1, out_features).to(torch.float32) @ w
+            grads[0] = g.to(ctx.x_dtype).reshape(*grad_y.shape[:-1], in_features)
+        return tuple(grads)
+    # With a norm: differentiate the same function in PyTorch (norm, product at its output's dtype,
+    # head norm), as the reference path computes it; the kernels' fused forms match it within tolerance.
+    wanted = [i for i in (0, i_norm, i_head) if i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]]
+    if not wanted:
+        return tuple(grads)
+    with torch.enable_grad():
+        leaves = {0: x.detach(), i_norm: None if norm_weight is None else norm_weight.detach(),
+                  i_head: None if head_weight is None else head_weight.detach()}
+        for i in wanted:
+            leaves[i].requires_grad_(True)
+        h = leaves[0] if norm_weight is None else RowNorm(leaves[i_norm], ctx.eps[0]).apply(leaves[0])
+        h2d = h.reshape(-1, in_features)
+        if head_weight is None:
+            out = h2d
+            grad_out = (grad_y.reshape(-1, out_features).to(torch.float32) @ w).to(h.dtype)
+        else:
+            z = (h2d.to(torch.float32) @ w.T).to(h.dtype)
+            out, grad_out = HeadNorm(leaves[i_head], head_blocks, ctx.eps[1]).apply(z), grad_y.reshape(z.shape)
+        found = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out, allow_unused=True)
+    for i, g in zip(wanted, found):
+        grads[i] = g
+    return tuple(grads)
+
+
 _matmul_op = torch.library.custom_op("escha::matmul", _matmul_impl, mutates_args=(), schema=_SCHEMA)
 _matmul_op.register_fake(_matmul_fake)
+_matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup_context)
 
 
 def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None = None, *,
@@ -390,6 +508,11 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
             transform, the other paths after it (``HeadNorm.apply``).
 
     NaN or Inf in a row of x turn that row of y non-finite, as they would through torch.matmul.
+
+    Gradient: with respect to x only (and to the norms' weights, where they require it); the
+    quantized weight is frozen and gets none. grad_x = grad_y @ W_hat (W_hat = dequantize(qw),
+    fp32 math, in x's dtype), through ``RowNorm.apply`` and ``HeadNorm.apply`` when the norms are
+    given: the gradient of the function every path computes, whichever path ran the forward.
     """
     check_inputs(x, qw)
     if norm is not None and not isinstance(norm, RowNorm):
@@ -397,11 +520,8 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
     if norm is not None and (norm.weight.shape[0] != qw.in_features or norm.weight.device != x.device):
         raise ValueError(f"the norm's weight must be [{qw.in_features}] on {x.device}, got "
                          f"{list(norm.weight.shape)} on {norm.weight.device}")
+    _check_choice(path, precision, rule)
     r = DEFAULT_RULE if rule is None else rule
-    if path is not None and path not in _PATH_CODE:
-        raise ValueError(f"unknown path {path!r}; choose one of {[p.value for p in _PATHS]}")
-    if precision not in _PRECISION_CODE:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {[p.value for p in _PRECISIONS]}")
     if head_norm is not None and not isinstance(head_norm, HeadNorm):
         raise TypeError(f"head_norm must be an escha.norm.HeadNorm, got {type(head_norm).__name__}")
     np_ = qw.padded_shape[0]

@@ -19,6 +19,13 @@ def rel(a, b) -> float:
 K_GATE_UP, K_DOWN = 5120, 8704  # the seed shapes' in_features: 40 and 68 blocks of 128
 
 
+def bf16_bound(path: KernelPath) -> float:
+    """Relative error allowed a bf16 output of ``path`` (docs/KERNELS.md): fp16 operands (the decode
+    kernels) the tolerance table's 2 (2**-8 + 2**-11), e4m3 operands 0.077."""
+    assert path in (KernelPath.DECODE, KernelPath.DECODE_WGMMA) or path.fp8_operands, path
+    return 0.077 if path.fp8_operands else 2 * (2.0**-8 + 2.0**-11)
+
+
 @pytest.mark.parametrize("m,k,want", [(1, K_GATE_UP, KernelPath.DECODE), (64, K_GATE_UP, KernelPath.DECODE),
                                       (65, K_GATE_UP, KernelPath.DECODE_FP8),
                                       (128, K_GATE_UP, KernelPath.DECODE_FP8),
@@ -141,11 +148,53 @@ def test_boundaries_run_and_agree(m):
     qw = random_qweight(130, 140, 2, seed=m, device=DEV)
     x = torch.randn(m, 140, device=DEV, dtype=torch.bfloat16)
     ref = x.float() @ dequantize(qw).T
-    y_auto = escha.matmul(x, qw)
-    y_dq = escha.matmul(x, qw, rule=DispatchRule(decode_max_m=0, dequant_min_m=m))
-    for y in (y_auto, y_dq):
+    rule = DispatchRule(decode_max_m=0, dequant_min_m=m)
+    for kwargs in ({}, {"rule": rule}):
+        y = escha.matmul(x, qw, **kwargs)
         assert y.shape == (m, 130) and torch.isfinite(y).all()
-        assert rel(y, ref) < 0.077
+        assert rel(y, ref) < bf16_bound(resolve_path(m, qw, **kwargs))  # the bound of the path that ran
+
+
+def test_rule_thresholds_are_checked():
+    with pytest.raises(ValueError, match="decode_max_m must be non-negative, got -5"):
+        DispatchRule(decode_max_m=-5)
+    with pytest.raises(ValueError, match="core_m_per_kblock must be non-negative"):
+        DispatchRule(core_m_per_kblock=-1)
+    with pytest.raises(ValueError, match=r"dequant_min_m must be greater than decode_max_m \(64\), got 64"):
+        DispatchRule(dequant_min_m=64)
+    with pytest.raises(ValueError, match=r"greater than decode_max_m \(100\), got 10"):
+        DispatchRule(decode_max_m=100, dequant_min_m=10)
+    with pytest.raises(TypeError, match="fp8_decode_max_m must be an int, got float"):
+        DispatchRule(fp8_decode_max_m=256.0)
+    with pytest.raises(TypeError, match="decode_max_m must be an int, got bool"):
+        DispatchRule(decode_max_m=True)
+    # An fp8 decode range ending before it starts is empty, not ill-ordered: the fp8 GEMM left out.
+    assert DispatchRule(fp8_decode_max_m=0).choose(100, in_features=512) == KernelPath.DEQUANT_CORE_FP8
+
+
+def test_bad_choices_are_refused_before_any_work():
+    qw = random_qweight(128, 128, 2, device=DEV)
+    with pytest.raises(TypeError, match="rule must be an escha.DispatchRule or None, got dict"):
+        resolve_path(8, qw, rule={"decode_max_m": 8})
+    with pytest.raises(TypeError, match="path must be None, a KernelPath or one of"):
+        resolve_path(8, qw, path=["decode"])
+    with pytest.raises(TypeError, match="precision must be a Precision or one of"):
+        resolve_path(8, qw, precision=["bf16"])
+    with pytest.raises(TypeError, match="qw must be a QuantizedWeight, got Tensor"):
+        resolve_path(8, torch.randn(3, 3))
+    assert resolve_path(8, qw, rule=None) == resolve_path(8, qw)  # None is the default rule, as in matmul
+
+
+def test_available_paths_checks_its_arguments():
+    qw = random_qweight(128, 128, 2, device=DEV)
+    with pytest.raises(TypeError, match="qw must be a QuantizedWeight, got Tensor"):
+        available_paths(torch.randn(3, 3), 4)
+    with pytest.raises(ValueError, match="M \\(rows of x\\) must be positive, got -1"):
+        available_paths(qw, -1)
+    with pytest.raises(ValueError, match="must be positive, got 0"):
+        available_paths(qw, 0)
+    with pytest.raises(TypeError, match="M \\(rows of x\\) must be an int, got str"):
+        available_paths(qw, "4")
 
 
 def test_available_paths():
@@ -178,6 +227,25 @@ def test_opcheck():
                               (x, qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale, 130, 140, 2, 0,
                                path_code, 0, 64, 512, 48, 256),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_opcheck_backward():
+    """The op's backward under AOT autograd (torch.compile's), with and without the norms; a ragged
+    out (130) puts a head norm's crop in the output, which must be as contiguous as the fake one."""
+    from escha.norm import HeadNorm
+    qw = random_qweight(130, 140, 2, device=DEV)
+    tensors = (qw.trellis, qw.su, qw.sv, qw.scale, qw.gscale)
+    x = torch.randn(70, 140, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    norm_weight = (torch.rand(140, device=DEV) + 0.5).to(torch.bfloat16).requires_grad_(True)
+    head = HeadNorm((torch.rand(256, device=DEV) + 0.5).to(torch.bfloat16),
+                    torch.tensor([1, 0], dtype=torch.int8, device=DEV), 1e-6)
+    ints = (130, 140, 2, 0, 0, 0, 64, 512, 48, 256)  # the reference path
+    for extra in ((), (norm_weight, 1e-6, head.weight, head.blocks, 1e-6)):
+        torch.library.opcheck(torch.ops.escha.matmul.default, (x, *tensors, *ints, *extra),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                          "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.escha.dequantize.default, (*tensors, 130, 140, 2, 0),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_reference_on_cpu_without_interpreter(monkeypatch):
@@ -267,9 +335,9 @@ def test_plain_eager_call_skips_the_op_dispatch_bit_for_bit(monkeypatch, reason)
     assert torch.equal(direct, via_op.detach())
     if reason == "profiler":  # the op is what the profiler counts (bench_e2e's escha.matmul calls)
         assert sum(e.name == "escha::matmul" for e in ctx.events()) == 1
-    if reason == "grad":  # the op has no backward: asking for one raises, as before
-        with pytest.raises(RuntimeError):
-            via_op.float().sum().backward()
+    if reason == "grad":  # the op's backward gives x its gradient
+        via_op.float().sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape and torch.isfinite(x.grad).all()
 
 
 def test_plain_eager_call_under_no_grad_and_fake_tensors(monkeypatch):

@@ -5,8 +5,10 @@ Tolerances (relative Frobenius error; derivation in docs/KERNELS.md, ## Prefill)
     a product of two rounded operands has rms error sqrt(2) * 0.036 = 0.051 per term, and for sums
     of many independently-rounded terms the normwise error of the result is that rms (errors do
     not add coherently). bf16 (u = 2**-8): sqrt(2) * 0.0023 = 0.0032 per term; the output's own
-    rounding adds one more term of its dtype. Bounds below carry a 1.2-1.5x margin; a wrong
-    kernel (swapped tile, missing transform, wrong scale) is off by O(1).
+    rounding adds one more term of its dtype. The decode paths (decode, decode-wgmma) multiply
+    fp16 operands: x' rounded once to fp16 (u = 2**-11), T exact in fp16 (docs/KERNELS.md,
+    Tolerance table), which the two-operand term covers. Bounds below carry a 1.2-1.5x margin; a
+    wrong kernel (swapped tile, missing transform, wrong scale) is off by O(1).
 """
 import pytest
 import torch
@@ -16,7 +18,7 @@ from escha.format import dequantize, random_qweight
 from escha.ops import KernelPath, check_inputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-U = {"fp8": 2.0 ** -4, "bf16": 2.0 ** -8, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8,
+U = {"fp8": 2.0 ** -4, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8,
      torch.float32: 2.0 ** -24}
 
 
@@ -25,8 +27,7 @@ def bound(path: KernelPath, out_dtype: torch.dtype) -> float:
     out = U[out_dtype] / 3 ** 0.5
     if path == KernelPath.REFERENCE:
         return 1.5 * out + 1e-5
-    op = U["fp8" if path in (KernelPath.PREFILL, KernelPath.DEQUANT_FP8, KernelPath.DEQUANT_CORE_FP8, KernelPath.DECODE,
-                             KernelPath.DECODE_WGMMA) else "bf16"]
+    op = U["fp8" if path.fp8_operands else "fp16" if path in (KernelPath.DECODE, KernelPath.DECODE_WGMMA) else "bf16"]
     # The plain-core paths also round the GEMM's output z to bf16 before the output transform.
     mid = U[torch.bfloat16] / 3 ** 0.5 if path in (KernelPath.DEQUANT_CORE_FP8, KernelPath.DEQUANT_CORE_BF16) else 0.0
     return 1.5 * ((2 ** 0.5 * op / 3 ** 0.5) ** 2 + mid ** 2 + out ** 2) ** 0.5 + 1e-5
@@ -51,7 +52,23 @@ def w_exact(qw):
 
 def test_tolerance_table_values():
     assert TOLERANCE_TABLE[(KernelPath.PREFILL, torch.bfloat16)] == pytest.approx(0.077, abs=0.002)
+    assert TOLERANCE_TABLE[(KernelPath.DECODE_FP8, torch.bfloat16)] == pytest.approx(0.077, abs=0.002)
     assert TOLERANCE_TABLE[(KernelPath.DEQUANT_BF16, torch.bfloat16)] < 0.01
+    # fp16 operands: within docs/KERNELS.md's decode table (2 (u_out + 2**-11)), far below fp8's.
+    for path in (KernelPath.DECODE, KernelPath.DECODE_WGMMA):
+        for dtype, table in ((torch.float32, 9.8e-4), (torch.float16, 1.95e-3), (torch.bfloat16, 8.8e-3)):
+            assert TOLERANCE_TABLE[(path, dtype)] < table
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_accuracy(qw, w_exact, dtype):
+    """The portable decode kernel (fp16 operands) within its bound, at the rule's decode range."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 20, 200, generator=g).to(DEV, dtype)  # M = 40
+    y = escha.matmul(x, qw, path=KernelPath.DECODE)
+    assert y.shape == (2, 20, 140) and y.dtype == dtype
+    err = rel(y, x.float() @ w_exact.T)
+    assert err < TOLERANCE_TABLE[(KernelPath.DECODE, dtype)], f"decode {dtype}: {err:.3e}"
 
 
 @pytest.mark.parametrize("path", [KernelPath.REFERENCE, KernelPath.PREFILL, KernelPath.DEQUANT_FP8,
@@ -113,6 +130,13 @@ def test_validation_errors(qw):
         escha.matmul(torch.randn(2, 200, device=DEV), qw, path="fastest")
     with pytest.raises(ValueError, match="unknown precision"):
         escha.matmul(torch.randn(2, 200, device=DEV), qw, precision="int4")
+    with pytest.raises(TypeError, match="path must be None, a KernelPath or one of"):
+        escha.matmul(torch.randn(2, 200, device=DEV), qw, path=["decode"])
+    with pytest.raises(TypeError, match="precision must be a Precision or one of"):
+        escha.matmul(torch.randn(2, 200, device=DEV), qw, precision=["fp8"])
+    for requires_grad in (False, True):  # checked before any work, on the op's way or not
+        with pytest.raises(TypeError, match="rule must be an escha.DispatchRule or None, got str"):
+            escha.matmul(torch.randn(2, 200, device=DEV, requires_grad=requires_grad), qw, rule="x")
     if DEV == "cpu":
         with pytest.raises(ValueError, match="is on"):
             check_inputs(torch.randn(2, 200), qw.to("meta"))
@@ -121,3 +145,43 @@ def test_validation_errors(qw):
 def test_empty_rows(qw):
     y = escha.matmul(torch.randn(0, 200, device=DEV), qw, path="prefill")
     assert y.shape == (0, 140)
+
+
+def _grad_check(x: torch.Tensor, qw, w_exact: torch.Tensor, path) -> float:
+    """x.grad of escha.matmul against fp64 autograd of x @ W_hat^T, for one random upstream gradient."""
+    x = x.detach().requires_grad_(True)
+    y = escha.matmul(x, qw, path=path)
+    assert y.requires_grad
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device, y.dtype)
+    y.backward(g)
+    x64 = x.detach().double().requires_grad_(True)
+    (x64 @ w_exact.double().T).backward(g.double())
+    assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
+    return float((x.grad.double() - x64.grad).norm() / x64.grad.norm())
+
+
+@pytest.mark.parametrize("shape", [(140, 200), (33, 257), (256, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", [KernelPath.REFERENCE, None])
+def test_gradient_with_respect_to_x(shape, dtype, path):
+    """grad_x = grad_y @ W_hat, whichever path ran the forward (None: the rule's, a decode kernel at
+    M = 10): the product is fp32 and exact up to the one rounding to x's dtype, 2 u_out relative."""
+    qw = random_qweight(*shape, 2, seed=shape[0])
+    x = torch.randn(2, 5, shape[1], generator=torch.Generator().manual_seed(0)).to(DEV, dtype)
+    err = _grad_check(x, qw.to(DEV), dequantize(qw.to(DEV)), path)
+    assert err < (2 * U[dtype] if dtype != torch.float32 else 1e-5), err
+
+
+def test_gradient_on_a_prefill_path(qw, w_exact):
+    """A kernel path past the decode range: the forward's fp8 rounding does not reach the gradient."""
+    err = _grad_check(torch.randn(70, 200, device=DEV), qw, w_exact, KernelPath.DEQUANT_CORE_FP8)
+    assert err < 1e-5, err
+
+
+def test_quantized_weight_gets_no_gradient(qw):
+    """The weight is frozen: a weight whose scales require grad leaves them without one."""
+    scale = qw.scale.clone().requires_grad_(True)
+    frozen = type(qw).trusted([qw.trellis, qw.su, qw.sv, scale, qw.gscale], qw.shape, qw.bits)
+    x = torch.randn(3, 200, device=DEV, requires_grad=True)
+    escha.matmul(x, frozen, path="reference").sum().backward()
+    assert x.grad is not None and scale.grad is None

@@ -96,6 +96,10 @@ def test_bad_norms_are_refused():
         RowNorm(torch.ones(IN), -1.0)
     with pytest.raises(TypeError, match="1-D"):
         RowNorm(torch.ones(2, IN), 1e-6)
+    with pytest.raises(TypeError, match="RowNorm.eps must be a float, got NoneType"):
+        RowNorm(torch.ones(IN), None)
+    with pytest.raises(TypeError, match="RowNorm.eps must be a float, got str"):
+        RowNorm(torch.ones(IN), "1e-6")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -131,6 +135,49 @@ def test_bad_head_norms_are_refused():
         HeadNorm(torch.ones(256), torch.ones(3, dtype=torch.int8), 1e-6)
     with pytest.raises(ValueError, match="non-negative"):
         HeadNorm(torch.ones(256), torch.ones(2, dtype=torch.int8), -1.0)
+    with pytest.raises(TypeError, match="HeadNorm.eps must be a float, got NoneType"):
+        HeadNorm(torch.ones(256), torch.ones(2, dtype=torch.int8), None)
+    with pytest.raises(TypeError, match="HeadNorm.eps must be a float, got str"):
+        HeadNorm(torch.ones(256), torch.ones(2, dtype=torch.int8), "1e-6")
+
+
+@pytest.mark.parametrize("path", ["reference", "decode", "dequant-core-fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_through_the_norms(path, dtype):
+    """With a RowNorm before and a HeadNorm after, x and both norms' weights get the gradient of
+    head(norm(x) @ W_hat^T) as the model computes it, whichever path (fused or not) ran the forward."""
+    qw = random_qweight(200, IN, 2, seed=9)  # two blocks of output rows, the second ragged
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(2, 3, IN, generator=g) * 3).to(dtype).requires_grad_(True)
+    norm_weight = (torch.rand(IN, generator=g) + 0.5).to(dtype).requires_grad_(True)
+    head_weight = (torch.rand(256, generator=g) + 0.5).to(dtype).requires_grad_(True)
+    blocks = torch.tensor([1, 0], dtype=torch.int8)
+    y = escha.matmul(x, qw, path=path, norm=RowNorm(norm_weight, 1e-6), head_norm=HeadNorm(head_weight, blocks, 1e-6))
+    up = torch.randn(y.shape, generator=g).to(dtype)
+    y.backward(up)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, norm_weight, head_weight)]
+    z = RowNorm(leaves[1], 1e-6).apply(leaves[0]) @ dequantize(qw).double().T
+    HeadNorm(leaves[2], blocks, 1e-6).apply(z).backward(up.double())
+    # fp32: the one difference is fp32 against fp64 math; bf16: the forward's roundings of the
+    # normalised rows and of the product to bf16, which the gradient passes through, a few ulps.
+    tol = 1e-5 if dtype == torch.float32 else 4 * 2.0**-8
+    for got, want in zip((x.grad, norm_weight.grad, head_weight.grad), leaves):
+        assert got.dtype == dtype
+        err = float((got.double() - want.grad).norm() / want.grad.norm())
+        assert err < tol, err
+    assert torch.equal(head_weight.grad[128:], torch.zeros(128, dtype=dtype))  # the plain block's weights: unused
+
+
+def test_gradient_through_the_row_norm_alone():
+    """Only a RowNorm, and x without grad: its weight alone gets one."""
+    qw = random_qweight(128, IN, 2, seed=10)
+    norm_weight = (torch.rand(IN) + 0.5).requires_grad_(True)
+    x = torch.randn(4, IN)
+    up = torch.randn(4, 128)
+    escha.matmul(x, qw, norm=RowNorm(norm_weight, 1e-6)).backward(up)
+    w = norm_weight.detach().double().requires_grad_(True)
+    (RowNorm(w, 1e-6).apply(x.double()) @ dequantize(qw).double().T).backward(up.double())
+    assert float((norm_weight.grad.double() - w.grad).norm() / w.grad.norm()) < 1e-5
 
 
 def test_head_norm_the_kernel_cannot_take_is_applied_after():

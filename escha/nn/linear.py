@@ -6,6 +6,7 @@ from torch import nn
 
 from .. import ops
 from ..format.qweight import TENSOR_NAMES, QuantizedWeight
+from ..format.spec import check_bits
 from ..norm import HEAD, HeadNorm, RowNorm
 
 
@@ -17,6 +18,23 @@ class EschaLinear(nn.Module):
     gscale), so .to(), state_dict() and checkpoints see them: casting the module (``.half()``,
     ``.to(torch.bfloat16)``) changes only the bias, and moving it (``.to(device)``) moves
     everything. ``forward`` calls ``escha.matmul``.
+
+    Args:
+        in_features, out_features: the weight's shape [out, in]; positive ints.
+        bias: whether the layer adds a bias (a Parameter of ``out_features``, frozen like the weight).
+        bits: K, bits per weight of the trellis (1, 2, 3 or 4).
+        codebook_id: the registered codebook the trellis states decode through (0: 3INST, the one
+            the kernels implement).
+        device: where the buffers (placeholder values until a weight is loaded) and the bias live.
+        dtype: the bias's dtype; the weight's buffers keep their format dtypes.
+        path: the ``escha.matmul`` kernel path to force (a ``KernelPath`` or its name); None lets
+            the dispatcher choose. A forced path wins over ``precision``.
+        precision: ``escha.matmul``'s precision, ``"fp8"`` or ``"bf16"``; None keeps its default
+            (fp8). A per-module attribute rather than a global switch: two models in one process
+            can differ.
+
+    Training: forward supports backward to its input (escha.matmul's gradient with respect to x),
+    so adapters can be fine-tuned on a frozen layer; the quantized weight gets no gradient.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 2,
@@ -24,12 +42,16 @@ class EschaLinear(nn.Module):
                  dtype: torch.dtype | None = None, path: str | None = None,
                  precision: str | None = None) -> None:
         super().__init__()
-        self.path = path  # escha.matmul kernel path; None lets the dispatcher choose
-        # escha.matmul's precision ("fp8" or "bf16"); None keeps its default (fp8). A per-module
-        # attribute rather than a global switch: two models in one process can differ.
-        self.precision = precision
+        for name, v in (("in_features", in_features), ("out_features", out_features), ("codebook_id", codebook_id)):
+            if isinstance(v, bool) or not isinstance(v, int):  # int() would truncate 128.5 silently
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if in_features < 1 or out_features < 1:
             raise ValueError(f"features must be positive, got in={in_features}, out={out_features}")
+        check_bits(bits)
+        # Checked here, not at the first forward (where a precision would be ignored under a path).
+        ops._check_choice(path, ops.Precision.FP8 if precision is None else precision, None)
+        self.path = path  # escha.matmul kernel path; None lets the dispatcher choose
+        self.precision = precision  # escha.matmul's precision; None keeps its default
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.bits = int(bits)
@@ -61,6 +83,8 @@ class EschaLinear(nn.Module):
         """Wrap an existing QuantizedWeight (and optional bias [out]); shares qw's tensors."""
         if not isinstance(qw, QuantizedWeight):
             raise TypeError(f"expected a QuantizedWeight, got {type(qw).__name__}")
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor [{qw.out_features}] or None, got {type(bias).__name__}")
         if bias is not None and tuple(bias.shape) != (qw.out_features,):
             raise ValueError(f"bias must have shape [{qw.out_features}], got {list(bias.shape)}")
         mod = cls(qw.in_features, qw.out_features, bias=bias is not None, bits=qw.bits,
@@ -86,6 +110,8 @@ class EschaLinear(nn.Module):
 
     def set_qweight(self, qw: QuantizedWeight) -> None:
         """Replace the stored weight by ``qw`` (same shape); the module adopts its tensors."""
+        if not isinstance(qw, QuantizedWeight):
+            raise TypeError(f"expected a QuantizedWeight, got {type(qw).__name__}")
         if (qw.out_features, qw.in_features) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {qw.shape} does not match the module's "
                              f"({self.out_features}, {self.in_features})")
@@ -140,7 +166,8 @@ class EschaLinear(nn.Module):
         return matmul_with(x, self.qweight, self.path, self.precision, self.input_norm, self.head_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul."""
+        """x [..., in_features] -> x @ W_hat^T (+ bias), in x's dtype, through escha.matmul
+        (differentiable with respect to x; the quantized weight is frozen)."""
         y = self._product(x)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -173,6 +200,7 @@ class EschaLinear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
+        """The shape, bias and bits, and the forced path or precision if any (for print(module))."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, bits={self.bits}"
                 + ("" if self.path is None else f", path={self.path!r}")
