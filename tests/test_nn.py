@@ -149,3 +149,12 @@ def test_backward_reaches_the_input(dtype):
     err = float((x.grad.double().reshape(-1, 200) - want).norm() / want.norm())
     assert x.grad.dtype == dtype and err < (1e-5 if dtype == torch.float32 else 2 * 2.0**-8), err
     assert all(p.grad is None for p in mod.parameters()) and not any(b.requires_grad for b in mod.buffers())
+
+
+def test_set_matmul_path_refuses_an_unknown_path_before_changing_a_module():
+    from escha.nn import set_matmul_path
+    model = torch.nn.Sequential(EschaLinear.from_quantized(random_qweight(64, 128, bits=2, seed=0)))
+    with pytest.raises(ValueError, match="unknown path 'nope'"):
+        set_matmul_path(model, "nope")
+    assert model[0].path is None
+    assert set_matmul_path(model, "reference") == 1 and model[0].path == "reference"

@@ -276,7 +276,9 @@ def matmul_with(x: torch.Tensor, qw: QuantizedWeight, path: str | None, precisio
 
 
 def set_matmul_path(model: nn.Module, path: str | None) -> int:
-    """Force ``escha.matmul``'s path (e.g. "reference") in every EschaLinear of ``model``; returns the count."""
+    """Force ``escha.matmul``'s path (e.g. "reference") in every EschaLinear of ``model``; returns the count.
+    An unknown path raises ValueError here, before any module changes."""
+    ops._check_choice(path, ops.Precision.FP8, None)
     n = 0
     for m in model.modules():
         if isinstance(m, EschaLinear):
