@@ -448,19 +448,21 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
     x, *saved = ctx.saved_tensors
     tensors, (norm_weight, head_weight, head_blocks) = saved[:len(TENSOR_NAMES)], saved[len(TENSOR_NAMES):]
     out_features, in_features = ctx.ints[:2]
-    w = torch.ops.escha.dequantize(*tensors, *ctx.ints[:4])
     grads: list[torch.Tensor | None] = [None] * (1 + _N_FIXED + len(_OPTIONAL))
     i_norm, i_head = 1 + _N_FIXED, 1 + _N_FIXED + 2  # positions of norm_weight, head_weight
-    if norm_weight is None and head_weight is None:
-        if ctx.needs_input_grad[0]:
-            g = grad_y.reshape(-1, out_features).to(torch.float32) @ w
-            grads[0] = g.to(ctx.x_dtype).reshape(*grad_y.shape[:-1], in_features)
+    wanted = [i for i in (0, i_norm, i_head) if i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]]
+    if not wanted:  # no input asks for a gradient: the weight is not decoded
+        return tuple(grads)
+    w = torch.ops.escha.dequantize(*tensors, *ctx.ints[:4])
+
+    def through_w(g: torch.Tensor) -> torch.Tensor:  # [..., out] -> fp32 [M, in]: g @ W_hat
+        return g.reshape(-1, out_features).to(torch.float32) @ w
+
+    if norm_weight is None and head_weight is None:  # then only x can want one
+        grads[0] = through_w(grad_y).to(ctx.x_dtype).reshape(*grad_y.shape[:-1], in_features)
         return tuple(grads)
     # With a norm: differentiate the same function in PyTorch (norm, product at its output's dtype,
     # head norm), as the reference path computes it; the kernels' fused forms match it within tolerance.
-    wanted = [i for i in (0, i_norm, i_head) if i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]]
-    if not wanted:
-        return tuple(grads)
     with torch.enable_grad():
         leaves = {0: x.detach(), i_norm: None if norm_weight is None else norm_weight.detach(),
                   i_head: None if head_weight is None else head_weight.detach()}
@@ -469,8 +471,7 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
         h = leaves[0] if norm_weight is None else RowNorm(leaves[i_norm], ctx.eps[0]).apply(leaves[0])
         h2d = h.reshape(-1, in_features)
         if head_weight is None:
-            out = h2d
-            grad_out = (grad_y.reshape(-1, out_features).to(torch.float32) @ w).to(h.dtype)
+            out, grad_out = h2d, through_w(grad_y).to(h.dtype)
         else:
             z = (h2d.to(torch.float32) @ w.T).to(h.dtype)
             out, grad_out = HeadNorm(leaves[i_head], head_blocks, ctx.eps[1]).apply(z), grad_y.reshape(z.shape)

@@ -353,9 +353,9 @@ def _check_out_path(model_dir: str, out_dir: str) -> None:
         raise ModelError(f"OUT_DIR {out_dir} exists and is not a directory; choose a directory path")
 
 
-def _check_out_dir(model_dir: str, out_dir: str, overwrite: bool) -> None:
+def _check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """OUT_DIR's contents, once ``_check_out_path`` has passed: a model there needs ``overwrite``."""
     from .output import clear_output, is_output_file
-    _check_out_path(model_dir, out_dir)
     if os.path.isdir(out_dir):
         present = [f for f in os.listdir(out_dir) if f != PARTIAL_DIR]
         if (present and os.path.isdir(os.path.join(out_dir, PARTIAL_DIR)) and "config.json" not in present
@@ -445,7 +445,7 @@ def quantize_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                        calibration_seq_len(config, options.seq_len), options.max_samples)
     if restart:
         discard_partial(out_dir)
-    _check_out_dir(model_dir, out_dir, overwrite)
+    _check_out_dir(out_dir, overwrite)
     store = PartialStore(out_dir, options.identity({
         "model": os.path.abspath(model_dir), "calib": text_digest(texts), "escha": __version__,
         "calib_source": samples.source}))
