@@ -39,7 +39,8 @@ The entry point is the custom op ``escha::matmul`` (x, the weight's stored tenso
 under torch.compile(fullgraph=True) and inside CUDA-graph capture: nothing in it synchronizes
 with the host or copies from host memory. Its backward gives x's gradient (the quantized weight is
 frozen) through ``escha::dequantize``, an op of its own so that a compiled backward need not trace
-the reference decoder. A plain eager call (no compiler, tracer, dispatch mode, profiler or
+the reference decoder, called on runs of whole 128-row blocks so that its temporaries stay a few
+hundred megabytes whatever the weight's size. A plain eager call (no compiler, tracer, dispatch mode, profiler or
 gradient involved) runs the same implementation without the op's dispatch, which costs as much
 host time as the kernels' launches at a few tokens.
 """
@@ -431,6 +432,45 @@ _dequantize_op = torch.library.custom_op(
            + ", int out_features, int in_features, int bits, int codebook_id) -> Tensor")
 _dequantize_op.register_fake(_dequantize_fake)
 
+# The backward decodes W_hat one run of whole 128-row blocks at a time: the reference decoder's
+# temporaries take about 35x W_hat's float32 bytes (a 4096 x 4096 weight at once: 2.2 GiB at peak,
+# by runs of 2**20 weights: 0.37 GiB; benchmarks/bench_backward.py, results/backward_cpu/), so a
+# whole gate_up (89M weights) would need tens of gigabytes.
+BACKWARD_RUN_WEIGHTS = 1 << 20  # padded weights a decoded run at most (one 128-row block at least)
+
+
+def _row_runs(tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS):
+    """(first row, end row, escha::dequantize's arguments) for each run of whole 128-row blocks;
+    a run is a valid weight of its own (escha.format.shard), so its W_hat is those rows' of the whole."""
+    from .format.shard import ShardPlan, take
+    from .format.spec import HAD_BLOCK
+    out_features, in_features, bits, codebook_id = ints[:4]
+    blocks, kp = -(-out_features // HAD_BLOCK), -(-in_features // HAD_BLOCK) * HAD_BLOCK
+    per = max(1, run_weights // (HAD_BLOCK * kp))
+    for a in range(0, blocks, per):
+        b = min(blocks, a + per)
+        rows = (a * HAD_BLOCK, min(b * HAD_BLOCK, out_features))
+        plan = ShardPlan(0, ((a, b),), (rows,))
+        run = [take(spec, plan, t.__getitem__) for spec, t in zip(QuantizedWeight.TENSORS, tensors)]
+        yield rows[0], rows[1], (*run, rows[1] - rows[0], in_features, bits, codebook_id)
+
+
+def _times_w(g: torch.Tensor, tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
+    """g [M, out] -> float32 [M, in]: g @ W_hat, decoded run by run."""
+    g = g.to(torch.float32)
+    acc = g.new_zeros((g.shape[0], ints[1]))
+    for r0, r1, args in _row_runs(tensors, ints, run_weights):
+        acc.addmm_(g[:, r0:r1], torch.ops.escha.dequantize(*args))
+    return acc
+
+
+def _times_wt(h: torch.Tensor, tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
+    """h [M, in] -> float32 [M, out]: h @ W_hat^T, decoded run by run."""
+    h = h.to(torch.float32)
+    runs = _row_runs(tensors, ints, run_weights)
+    return torch.cat([h @ torch.ops.escha.dequantize(*args).T for _, _, args in runs], dim=1)
+
+
 
 def _matmul_setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
     """Keep what escha::matmul's backward needs: the weight's tensors and ints, the norms, and x with norms."""
@@ -453,16 +493,14 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
     wanted = [i for i in (0, i_norm, i_head) if i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]]
     if not wanted:  # no input asks for a gradient: the weight is not decoded
         return tuple(grads)
-    w = torch.ops.escha.dequantize(*tensors, *ctx.ints[:4])
-
-    def through_w(g: torch.Tensor) -> torch.Tensor:  # [..., out] -> fp32 [M, in]: g @ W_hat
-        return g.reshape(-1, out_features).to(torch.float32) @ w
-
+    ints = ctx.ints[:4]
     if norm_weight is None and head_weight is None:  # then only x can want one
-        grads[0] = through_w(grad_y).to(ctx.x_dtype).reshape(*grad_y.shape[:-1], in_features)
+        g = _times_w(grad_y.reshape(-1, out_features), tensors, ints)
+        grads[0] = g.to(ctx.x_dtype).reshape(*grad_y.shape[:-1], in_features)
         return tuple(grads)
-    # With a norm: differentiate the same function in PyTorch (norm, product at its output's dtype,
-    # head norm), as the reference path computes it; the kernels' fused forms match it within tolerance.
+    # With norms: differentiate the function the reference path computes (norm, product at its
+    # output's dtype, head norm) in PyTorch, the product by hand (W_hat decoded run by run, never
+    # kept for autograd); the kernels' fused forms match it within tolerance.
     with torch.enable_grad():
         leaves = {0: x.detach(), i_norm: None if norm_weight is None else norm_weight.detach(),
                   i_head: None if head_weight is None else head_weight.detach()}
@@ -470,14 +508,21 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
             leaves[i].requires_grad_(True)
         h = leaves[0] if norm_weight is None else RowNorm(leaves[i_norm], ctx.eps[0]).apply(leaves[0])
         h2d = h.reshape(-1, in_features)
-        if head_weight is None:
-            out, grad_out = h2d, through_w(grad_y).to(h.dtype)
-        else:
-            z = (h2d.to(torch.float32) @ w.T).to(h.dtype)
-            out, grad_out = HeadNorm(leaves[i_head], head_blocks, ctx.eps[1]).apply(z), grad_y.reshape(z.shape)
-        found = torch.autograd.grad(out, [leaves[i] for i in wanted], grad_out, allow_unused=True)
-    for i, g in zip(wanted, found):
-        grads[i] = g
+        grad_z = grad_y.reshape(-1, out_features)
+        if head_weight is not None:
+            z = _times_wt(h2d.detach(), tensors, ints).to(h.dtype).requires_grad_(True)
+            head_leaves = [z] + ([leaves[i_head]] if i_head in wanted else [])
+            found = torch.autograd.grad(HeadNorm(leaves[i_head], head_blocks, ctx.eps[1]).apply(z), head_leaves,
+                                        grad_z, allow_unused=True)
+            grad_z = found[0]
+            if i_head in wanted:
+                grads[i_head] = found[1]
+        h_wanted = [i for i in wanted if i != i_head]  # x's and the norm's: through h
+        if h_wanted:
+            grad_h = _times_w(grad_z, tensors, ints).to(h.dtype)
+            found = torch.autograd.grad(h2d, [leaves[i] for i in h_wanted], grad_h, allow_unused=True)
+            for i, g in zip(h_wanted, found):
+                grads[i] = g
     return tuple(grads)
 
 

@@ -1,0 +1,87 @@
+"""Peak memory and time of escha.matmul's backward decode: W_hat by runs of 128-row blocks (what
+the backward does) against the whole W_hat at once (what it did before), for grad_x = grad_y @ W_hat.
+
+    python benchmarks/bench_backward.py --out DIR [--shape 4096x4096] [--m 8]
+
+Each arm runs in a fresh process, so its peak resident memory (CPU) or peak allocated memory (CUDA,
+``torch.cuda.max_memory_allocated``) is its own; the weight's tensors, g and the result are in both.
+Both arms must give the same product within fp32's summation-order error, or nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def arm(name: str, shape: tuple[int, int], m: int, device: str) -> dict:
+    """One arm in this process: its product, peak memory above the inputs, and seconds."""
+    from escha.format import random_qweight
+    from escha.format.qweight import TENSOR_NAMES
+    from escha.ops import BACKWARD_RUN_WEIGHTS, _times_w
+    qw = random_qweight(*shape, 2, seed=0).to(device)
+    tensors, ints = tuple(getattr(qw, n) for n in TENSOR_NAMES), (*qw.shape, qw.bits, qw.codebook_id)
+    g = torch.randn(m, shape[0], generator=torch.Generator().manual_seed(1)).to(device)
+    big = 1 << 62
+    run = (lambda: _times_w(g, tensors, ints)) if name == "runs" else (lambda: _times_w(g, tensors, ints, big))
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    y = run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"arm": name, "run_weights": BACKWARD_RUN_WEIGHTS if name == "runs" else None,
+            "peak_bytes_above_inputs": int(peak - base), "seconds": round(seconds, 3), "y": y.cpu()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="4096x4096")
+    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--arm", help=argparse.SUPPRESS)  # a child process's one arm
+    a = ap.parse_args()
+    shape = tuple(int(v) for v in a.shape.split("x"))
+    if a.arm:
+        r = arm(a.arm, shape, a.m, a.device)
+        torch.save(r, os.path.join(a.out, f"{a.arm}.pt"))
+        return
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    for name in ("whole", "runs"):
+        subprocess.run([sys.executable, __file__, "--out", a.out, "--shape", a.shape, "--m", str(a.m),
+                        "--device", a.device, "--arm", name], check=True)
+        rows.append(torch.load(os.path.join(a.out, f"{name}.pt")))
+        os.remove(os.path.join(a.out, f"{name}.pt"))
+    torch.testing.assert_close(rows[1].pop("y"), rows[0].pop("y"), rtol=1e-5, atol=1e-4)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    env = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else platform.processor() or platform.machine(),
+           "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+           "git": os.environ.get("ESCHA_GIT_SHA", git),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    result = {"env": env, "shape": list(shape), "m": a.m, "arms": rows,
+              "w_hat_fp32_bytes": shape[0] * shape[1] * 4}
+    with open(os.path.join(a.out, f"backward_{a.device}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    for r in rows:
+        print(f"{r['arm']:6s} peak {r['peak_bytes_above_inputs'] / 2**20:8.1f} MiB  {r['seconds']:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
