@@ -21,7 +21,8 @@ from bench_decode import INT_OPS, loop_census  # noqa: E402
 from escha.kernels.compile_check import cuobjdump, programs_per_sm, res_usage  # noqa: E402
 from escha.kernels.decode_fp8 import gemm_source  # noqa: E402
 
-FORMS = [("one k-block a step, ring of 3 (before)", (3, 8, 2), 1), ("two k-blocks a step, ring of 2", (2, 8, 2), 2)]
+FORMS = [("one k-block a step, ring of 3 (before)", (3, 8, 2), 1), ("two k-blocks a step, ring of 2", (2, 8, 2), 2),
+         ("one k-block a step, ring of 2 (the patch's build for a weight of one k-block)", (2, 8, 2), 1)]
 print(f"triton {triton.__version__}, sm_90a, the 256-token build (8 x 2 warps, 128 rows, 16 warps a program)")
 for bits in (2, 3):
     for label, build, kps in FORMS:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared for one H200 call, not run yet: the fp8 decode GEMM's 256-token build with two k-blocks a
+# One device call (run on an H100 at eb5ce3e: h100_eb5ce3e/): the fp8 decode GEMM's 256-token build with two k-blocks a
 # step (candidate.patch, README.md) against the build before it (the unpatched tree, snapshot as the
 # arm fp8@REV), in one process; then its 128-token form as a variant arm, K=3, and the sanitizer.
 # Usage on the device: ESCHA_GIT_SHA=<REV>+kb2 REV=<REV> bash benchmarks/results/fp8_kb2/run.sh
