@@ -1,11 +1,13 @@
-"""Peak memory and time of escha.matmul's backward decode: W_hat by runs of 128-row blocks (what
-the backward does) against the whole W_hat at once (what it did before), for grad_x = grad_y @ W_hat.
+"""Peak memory and time of escha.matmul's backward product grad_x = grad_y @ W_hat in three forms:
+the whole W_hat by the reference decoder at once ("w_hat", the first form), W_hat by runs of 128-row
+blocks ("w_hat_runs", eb5ce3e) and the transform domain with the core T by runs ("core_runs", what
+the backward does: ((g diag(g c su)) Hn) T Hk diag(sv) / 128).
 
     python benchmarks/bench_backward.py --out DIR [--shape 4096x4096] [--m 8]
 
 Each arm runs in a fresh process, so its peak resident memory (CPU) or peak allocated memory (CUDA,
 ``torch.cuda.max_memory_allocated``) is its own; the weight's tensors, g and the result are in both.
-Both arms must give the same product within fp32's summation-order error, or nothing is written.
+All arms must give the same product within fp32's summation-order error, or nothing is written.
 """
 from __future__ import annotations
 
@@ -24,14 +26,22 @@ import torch
 
 def arm(name: str, shape: tuple[int, int], m: int, device: str) -> dict:
     """One arm in this process: its product, peak memory above the inputs, and seconds."""
-    from escha.format import random_qweight
-    from escha.format.qweight import TENSOR_NAMES
-    from escha.ops import BACKWARD_RUN_WEIGHTS, _times_w
+    from escha.format import dequantize, random_qweight
+    from escha.format.qweight import TENSOR_NAMES, QuantizedWeight
+    from escha.ops import BACKWARD_RUN_WEIGHTS, _row_runs, _times_w
     qw = random_qweight(*shape, 2, seed=0).to(device)
     tensors, ints = tuple(getattr(qw, n) for n in TENSOR_NAMES), (*qw.shape, qw.bits, qw.codebook_id)
     g = torch.randn(m, shape[0], generator=torch.Generator().manual_seed(1)).to(device)
-    big = 1 << 62
-    run = (lambda: _times_w(g, tensors, ints)) if name == "runs" else (lambda: _times_w(g, tensors, ints, big))
+
+    def w_hat_runs() -> torch.Tensor:
+        acc = g.new_zeros((m, shape[1]))
+        for r0, _, args in _row_runs(tensors, ints):
+            w = dequantize(QuantizedWeight.trusted(args[:len(TENSOR_NAMES)], (args[-4], shape[1]), 2, 0))
+            acc.addmm_(g[:, r0:r0 + w.shape[0]], w)
+        return acc
+
+    run = {"w_hat": lambda: g @ dequantize(qw), "w_hat_runs": w_hat_runs,
+           "core_runs": lambda: _times_w(g, tensors, ints)}[name]
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -45,7 +55,7 @@ def arm(name: str, shape: tuple[int, int], m: int, device: str) -> dict:
     seconds = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"arm": name, "run_weights": BACKWARD_RUN_WEIGHTS if name == "runs" else None,
+    return {"arm": name, "run_weights": None if name == "w_hat" else BACKWARD_RUN_WEIGHTS,
             "peak_bytes_above_inputs": int(peak - base), "seconds": round(seconds, 3), "y": y.cpu()}
 
 
@@ -64,12 +74,14 @@ def main() -> None:
         return
     os.makedirs(a.out, exist_ok=True)
     rows = []
-    for name in ("whole", "runs"):
+    for name in ("w_hat", "w_hat_runs", "core_runs"):
         subprocess.run([sys.executable, __file__, "--out", a.out, "--shape", a.shape, "--m", str(a.m),
                         "--device", a.device, "--arm", name], check=True)
         rows.append(torch.load(os.path.join(a.out, f"{name}.pt")))
         os.remove(os.path.join(a.out, f"{name}.pt"))
-    torch.testing.assert_close(rows[1].pop("y"), rows[0].pop("y"), rtol=1e-5, atol=1e-4)
+    want = rows[0]["y"]
+    for r in rows:
+        torch.testing.assert_close(r.pop("y"), want, rtol=1e-5, atol=1e-4)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
@@ -80,7 +92,7 @@ def main() -> None:
     with open(os.path.join(a.out, f"backward_{a.device}.json"), "w") as f:
         json.dump(result, f, indent=1)
     for r in rows:
-        print(f"{r['arm']:6s} peak {r['peak_bytes_above_inputs'] / 2**20:8.1f} MiB  {r['seconds']:.2f} s")
+        print(f"{r['arm']:10s} peak {r['peak_bytes_above_inputs'] / 2**20:8.1f} MiB  {r['seconds']:.2f} s")
 
 
 if __name__ == "__main__":

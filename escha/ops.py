@@ -38,9 +38,9 @@ The entry point is the custom op ``escha::matmul`` (x, the weight's stored tenso
 ``QuantizedWeight.TENSORS`` declares them, then ints), with a fake implementation, so it works
 under torch.compile(fullgraph=True) and inside CUDA-graph capture: nothing in it synchronizes
 with the host or copies from host memory. Its backward gives x's gradient (the quantized weight is
-frozen) through ``escha::dequantize``, an op of its own so that a compiled backward need not trace
-the reference decoder, called on runs of whole 128-row blocks so that its temporaries stay a few
-hundred megabytes whatever the weight's size. A plain eager call (no compiler, tracer, dispatch mode, profiler or
+frozen) in the transform domain, through ``escha::decode_core`` (the core T, by the dequant
+kernel on a GPU), an op of its own so that a compiled backward need not trace the decoders, called
+on runs of whole 128-row blocks so that its memory stays small whatever the weight's size. A plain eager call (no compiler, tracer, dispatch mode, profiler or
 gradient involved) runs the same implementation without the op's dispatch, which costs as much
 host time as the kernels' launches at a few tokens.
 """
@@ -413,63 +413,98 @@ def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features), dtype=_out_dtype(x, norm_weight))
 
 
-def _dequantize_impl(*args) -> torch.Tensor:
-    """escha::dequantize: W_hat [out, in] float32 of the weight's stored tensors and ints."""
-    from .format.codec import dequantize
+def _decode_core_impl(*args) -> torch.Tensor:
+    """escha::decode_core: the core T, fp16 [Np, Kp], of the weight's stored tensors and ints; by
+    the dequant kernel on a GPU (bit-exact), by the reference decoder elsewhere."""
     tensors, (out_features, in_features, bits, codebook_id) = args[:len(TENSOR_NAMES)], args[len(TENSOR_NAMES):]
-    return dequantize(QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id))
+    qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
+    if qw.device.type == "cuda" and codebook_id == 0:
+        from .kernels.dequant import dequantize_core
+        return dequantize_core(qw, torch.float16)[0]
+    from .format.codec import decode_trellis
+    return decode_trellis(qw)
 
 
-def _dequantize_fake(*args) -> torch.Tensor:
+def _decode_core_fake(*args) -> torch.Tensor:
     out_features, in_features = args[len(TENSOR_NAMES):len(TENSOR_NAMES) + 2]
-    return args[0].new_empty((out_features, in_features), dtype=torch.float32)
+    return args[0].new_empty((_padded(out_features), _padded(in_features)), dtype=torch.float16)
 
 
-# matmul's backward multiplies by W_hat: an op, since a compiled backward cannot trace the reference decoder.
-_dequantize_op = torch.library.custom_op(
-    "escha::dequantize", _dequantize_impl, mutates_args=(),
+def _padded(n: int) -> int:
+    from .format.spec import HAD_BLOCK
+    return -(-n // HAD_BLOCK) * HAD_BLOCK
+
+
+# matmul's backward multiplies by T: an op, since a compiled backward cannot trace the decoders.
+_decode_core_op = torch.library.custom_op(
+    "escha::decode_core", _decode_core_impl, mutates_args=(),
     schema="(" + ", ".join(f"Tensor {n}" for n in TENSOR_NAMES)
            + ", int out_features, int in_features, int bits, int codebook_id) -> Tensor")
-_dequantize_op.register_fake(_dequantize_fake)
+_decode_core_op.register_fake(_decode_core_fake)
 
-# The backward decodes W_hat one run of whole 128-row blocks at a time: the reference decoder's
-# temporaries take about 35x W_hat's float32 bytes (a 4096 x 4096 weight at once: 2.2 GiB at peak,
-# by runs of 2**20 weights: 0.37 GiB; benchmarks/bench_backward.py, results/backward_cpu/), so a
-# whole gate_up (89M weights) would need tens of gigabytes.
+# The backward multiplies in the transform domain, W_hat = diag(g c su) Hn T Hk diag(sv) / 128
+# (docs/FORMAT.md section 5), and decodes T one run of whole 128-row blocks at a time, so it never
+# holds W_hat and its temporaries stay a few runs of T whatever the weight's size: on the CPU, for
+# a 4096 x 4096 weight, 0.37 GiB at peak against 2.1 GiB for the whole W_hat by the reference
+# decoder (benchmarks/bench_backward.py, results/backward_cpu/). On a GPU T comes from the dequant
+# kernel instead of the reference decoder (not yet timed).
 BACKWARD_RUN_WEIGHTS = 1 << 20  # padded weights a decoded run at most (one 128-row block at least)
 
 
 def _row_runs(tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS):
-    """(first row, end row, escha::dequantize's arguments) for each run of whole 128-row blocks;
-    a run is a valid weight of its own (escha.format.shard), so its W_hat is those rows' of the whole."""
+    """(first padded row, end padded row, escha::decode_core's arguments) for each run of whole
+    128-row blocks; a run is a valid weight of its own (escha.format.shard), so its T is those
+    rows of the whole weight's T."""
     from .format.shard import ShardPlan, take
     from .format.spec import HAD_BLOCK
     out_features, in_features, bits, codebook_id = ints[:4]
-    blocks, kp = -(-out_features // HAD_BLOCK), -(-in_features // HAD_BLOCK) * HAD_BLOCK
+    blocks, kp = -(-out_features // HAD_BLOCK), _padded(in_features)
     per = max(1, run_weights // (HAD_BLOCK * kp))
     for a in range(0, blocks, per):
         b = min(blocks, a + per)
         rows = (a * HAD_BLOCK, min(b * HAD_BLOCK, out_features))
         plan = ShardPlan(0, ((a, b),), (rows,))
         run = [take(spec, plan, t.__getitem__) for spec, t in zip(QuantizedWeight.TENSORS, tensors)]
-        yield rows[0], rows[1], (*run, rows[1] - rows[0], in_features, bits, codebook_id)
+        yield a * HAD_BLOCK, b * HAD_BLOCK, (*run, rows[1] - rows[0], in_features, bits, codebook_id)
+
+
+def _row_scale(tensors: tuple) -> torch.Tensor:
+    """fp32 [Np]: g c su, W_hat's output-side diagonal (escha.format.codec.row_scale)."""
+    named = dict(zip(TENSOR_NAMES, tensors))
+    return named["gscale"].float() * named["scale"].float() * named["su"].float()
+
+
+def _hadamard_pm1(x: torch.Tensor) -> torch.Tensor:
+    """x [M, n] float32 times blockdiag(H, H, ...) of the exact +-1 128-matrix, built by device ops
+    (a backward may be traced, and a trace cannot take escha.format.hadamard's cached matrix)."""
+    from .format.hadamard import sylvester_pm1
+    from .format.spec import HAD_BLOCK
+    h = sylvester_pm1(HAD_BLOCK, x.device, torch.float32)
+    return (x.unflatten(-1, (-1, HAD_BLOCK)) @ h).flatten(-2)
 
 
 def _times_w(g: torch.Tensor, tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
-    """g [M, out] -> float32 [M, in]: g @ W_hat, decoded run by run."""
-    g = g.to(torch.float32)
-    acc = g.new_zeros((g.shape[0], ints[1]))
+    """g [M, out] -> float32 [M, in]: g @ W_hat = ((g diag(g c su)) Hn) T Hk diag(sv) / 128."""
+    out_features, in_features = ints[:2]
+    row_scale = _row_scale(tensors)
+    gs = torch.nn.functional.pad(g.to(torch.float32) * row_scale[:out_features], (0, row_scale.shape[0] - out_features))
+    gh = _hadamard_pm1(gs)
+    z = gh.new_zeros((gh.shape[0], _padded(in_features)))
     for r0, r1, args in _row_runs(tensors, ints, run_weights):
-        acc.addmm_(g[:, r0:r1], torch.ops.escha.dequantize(*args))
-    return acc
+        z.addmm_(gh[:, r0:r1], torch.ops.escha.decode_core(*args).to(torch.float32))
+    sv = dict(zip(TENSOR_NAMES, tensors))["sv"].float()
+    return (_hadamard_pm1(z) * (sv / 128))[:, :in_features]
 
 
 def _times_wt(h: torch.Tensor, tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
-    """h [M, in] -> float32 [M, out]: h @ W_hat^T, decoded run by run."""
-    h = h.to(torch.float32)
-    runs = _row_runs(tensors, ints, run_weights)
-    return torch.cat([h @ torch.ops.escha.dequantize(*args).T for _, _, args in runs], dim=1)
-
+    """h [M, in] -> float32 [M, out]: h @ W_hat^T = ((h diag(sv) Hk) T^T Hn / 128) diag(g c su)."""
+    out_features, in_features = ints[:2]
+    sv = dict(zip(TENSOR_NAMES, tensors))["sv"].float()
+    hs = torch.nn.functional.pad(h.to(torch.float32), (0, sv.shape[0] - in_features)) * sv
+    hh = _hadamard_pm1(hs)
+    z = torch.cat([hh @ torch.ops.escha.decode_core(*args).to(torch.float32).T
+                   for _, _, args in _row_runs(tensors, ints, run_weights)], dim=1)
+    return (_hadamard_pm1(z) * (_row_scale(tensors) / 128))[:, :out_features]
 
 
 def _matmul_setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:

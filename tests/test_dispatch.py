@@ -244,7 +244,7 @@ def test_opcheck_backward():
         torch.library.opcheck(torch.ops.escha.matmul.default, (x, *tensors, *ints, *extra),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                           "test_aot_dispatch_dynamic"))
-    torch.library.opcheck(torch.ops.escha.dequantize.default, (*tensors, 130, 140, 2, 0),
+    torch.library.opcheck(torch.ops.escha.decode_core.default, (*tensors, 130, 140, 2, 0),
                           test_utils=("test_schema", "test_faketensor"))
 
 

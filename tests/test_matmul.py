@@ -189,19 +189,24 @@ def test_quantized_weight_gets_no_gradient(qw):
 
 @pytest.mark.parametrize("shape,run_weights", [((300, 200), 1), ((300, 200), 2 * 128 * 256), ((640, 130), 3 * 128 * 256)])
 def test_backward_decodes_whole_row_block_runs(shape, run_weights):
-    """The backward decodes W_hat run by run (memory): each run of 128-row blocks decodes to exactly
-    those rows of the whole weight's W_hat (the ragged last block cropped), and the products by
-    runs equal the products by the whole W_hat within fp32's summation-order error."""
+    """The backward decodes the core T run by run (memory) and multiplies in the transform domain:
+    each run of 128-row blocks decodes to exactly those rows of the whole weight's T, and the
+    products by runs equal the products by the whole W_hat within fp32's rounding (the Hadamards'
+    sums of 128 terms and the runs' summation order)."""
+    from escha.format.codec import decode_trellis
     from escha.format.qweight import TENSOR_NAMES
     from escha.ops import _row_runs, _times_w, _times_wt
     qw = random_qweight(*shape, 2, seed=shape[0] + run_weights).to(DEV)
     tensors, ints = tuple(getattr(qw, n) for n in TENSOR_NAMES), (*qw.shape, qw.bits, qw.codebook_id)
     runs = list(_row_runs(tensors, ints, run_weights))
-    whole = dequantize(qw)
-    assert len(runs) > 1 and [r[0] for r in runs[1:]] == [r[1] for r in runs[:-1]] and runs[-1][1] == shape[0]
-    decoded = torch.cat([torch.ops.escha.dequantize(*args) for _, _, args in runs])
-    assert torch.equal(decoded, whole)
+    assert len(runs) > 1 and [r[0] for r in runs[1:]] == [r[1] for r in runs[:-1]]
+    assert runs[0][0] == 0 and runs[-1][1] == qw.padded_shape[0]
+    decoded = torch.cat([torch.ops.escha.decode_core(*args) for _, _, args in runs])
+    assert decoded.dtype == torch.float16 and torch.equal(decoded, decode_trellis(qw))
+    whole = dequantize(qw).double()
     g = torch.randn(7, shape[0], device=DEV)
     h = torch.randn(7, shape[1], device=DEV)
-    torch.testing.assert_close(_times_w(g, tensors, ints, run_weights), g @ whole, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(_times_wt(h, tensors, ints, run_weights), h @ whole.T, rtol=1e-5, atol=1e-5)
+    for got, want in ((_times_w(g, tensors, ints, run_weights), g.double() @ whole),
+                      (_times_wt(h, tensors, ints, run_weights), h.double() @ whole.T)):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert float((got.double() - want).norm() / want.norm()) < 1e-6
