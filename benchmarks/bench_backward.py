@@ -6,7 +6,8 @@ the backward does: ((g diag(g c su)) Hn) T Hk diag(sv) / 128).
     python benchmarks/bench_backward.py --out DIR [--shape 4096x4096] [--m 8]
 
 Each arm runs in a fresh process, so its peak resident memory (CPU) or peak allocated memory (CUDA,
-``torch.cuda.max_memory_allocated``) is its own; the weight's tensors, g and the result are in both.
+``torch.cuda.max_memory_allocated``, after a first call that compiles the kernels) is its own;
+seconds are the median of three calls; the weight's tensors, g and the result are in every arm's.
 All arms must give the same product within fp32's summation-order error, or nothing is written.
 """
 from __future__ import annotations
@@ -42,21 +43,25 @@ def arm(name: str, shape: tuple[int, int], m: int, device: str) -> dict:
 
     run = {"w_hat": lambda: g @ dequantize(qw), "w_hat_runs": w_hat_runs,
            "core_runs": lambda: _times_w(g, tensors, ints)}[name]
-    if device == "cuda":
+    if device == "cuda":  # a first call compiles the kernels; the peak and times are of the calls after it
+        run()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
+    else:  # the process's peak resident memory: its first call's
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    t0 = time.perf_counter()
-    y = run()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        y = run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    seconds = sorted(times)[1]
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"arm": name, "run_weights": None if name == "w_hat" else BACKWARD_RUN_WEIGHTS,
-            "peak_bytes_above_inputs": int(peak - base), "seconds": round(seconds, 3), "y": y.cpu()}
+            "peak_bytes_above_inputs": int(peak - base), "seconds": round(seconds, 4), "y": y.cpu()}
 
 
 def main() -> None:

@@ -11,6 +11,9 @@
 #                  go to CUDA when there is one, not only the gpu-marked ones "check" runs).
 # PHASE "gpu-suite": every gpu-marked test, then memcheck and racecheck of the prefill paths with
 #                  and without the RMSNorm in their activation pass.
+# PHASE "backward": escha.matmul's backward on the GPU: its tests (test_matmul, test_norms, test_nn,
+#                  test_dispatch's opcheck), then benchmarks/bench_backward.py's three forms of
+#                  grad_y @ W_hat (peak memory and seconds) at 4096x4096 and gate_up, 16 tokens.
 # PHASE "core-gemm": escha/kernels/core_gemm.py (the plain-core path's fp8 GEMM with Hn in its
 #                  epilogue, from 1024 tokens): its tests on the GPU, memcheck and racecheck of the
 #                  path at 65 and 1030 tokens, then benchmarks/probe_core_gemm.py: the path with it
@@ -386,6 +389,13 @@ case "$phase" in
       step "sanitize_$tool" 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=dequant-fp8,dequant-core-fp8,dequant-bf16,dequant-core-bf16,prefill \
         ESCHA_SANITIZER_MS=65,130 ESCHA_SANITIZER_SHAPES=17x130,33x1300,40x2560 ESCHA_SANITIZER_TOOLS=$tool \
         ESCHA_SANITIZER_PRINT_LIMIT=1000 benchmarks/run_sanitizer.sh "$out/sanitizer_$tool.txt"
+    done
+    ;;
+  backward)
+    step backward_tests 120 python -m pytest -q -p no:cacheprovider tests/test_matmul.py tests/test_norms.py tests/test_nn.py \
+      tests/test_dispatch.py -k "gradient or backward or row_block or opcheck"
+    for shape in 4096x4096 17408x5120; do
+      step "bench_backward_$shape" 120 python benchmarks/bench_backward.py --out "$out/backward_$shape" --shape "$shape" --m 16
     done
     ;;
   gpu-suite)
