@@ -11,6 +11,9 @@
 #                  go to CUDA when there is one, not only the gpu-marked ones "check" runs).
 # PHASE "gpu-suite": every gpu-marked test, then memcheck and racecheck of the prefill paths with
 #                  and without the RMSNorm in their activation pass.
+# PHASE "fp8-input": the fp8 decode GEMM's call with its input transform in whole rows a program
+#                  (bench_decode_fp8.py --input-rows: arm fp8_in_rows beside the rule, K = 2 and 3,
+#                  129-256 tokens), after the GPU test that both launch shapes give the same bits.
 # PHASE "backward": escha.matmul's backward on the GPU: its tests (test_matmul, test_norms, test_nn,
 #                  test_dispatch's opcheck), then benchmarks/bench_backward.py's three forms of
 #                  grad_y @ W_hat (peak memory and seconds) at 4096x4096 and gate_up, 16 tokens.
@@ -389,6 +392,13 @@ case "$phase" in
       step "sanitize_$tool" 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=dequant-fp8,dequant-core-fp8,dequant-bf16,dequant-core-bf16,prefill \
         ESCHA_SANITIZER_MS=65,130 ESCHA_SANITIZER_SHAPES=17x130,33x1300,40x2560 ESCHA_SANITIZER_TOOLS=$tool \
         ESCHA_SANITIZER_PRINT_LIMIT=1000 benchmarks/run_sanitizer.sh "$out/sanitizer_$tool.txt"
+    done
+    ;;
+  fp8-input)
+    step gpu_tests 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_fp8.py -k "input_launch or within_tolerance"
+    for bits in 2 3; do
+      step "fp8_input_k$bits" 200 python benchmarks/bench_decode_fp8.py --out "$out/fp8_input_k$bits" --bits $bits \
+        --ms 136,200,256 --shapes gate_up,down,down_8b --rounds 5 --input-rows
     done
     ;;
   backward)

@@ -152,6 +152,14 @@ def test_config_with_another_block():
         df.config_with_block(qw, 300, 32)
 
 
+@pytest.mark.parametrize("changes,match", [({"input_blocks": 3}, "power of two"), ({"input_blocks": 0}, "power of two"),
+                                           ({"input_tiles": 2}, "only with input_blocks"), ({"input_tiles": 0}, "at least 1")])
+def test_config_refuses_input_shapes_the_transform_cannot_take(changes, match):
+    qw = random_qweight(64, 128, bits=2, seed=0)
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(df.decode_fp8_config(qw, 200), **changes)
+
+
 def test_rule_refuses_no_tokens():
     qw = random_qweight(64, 128, bits=2, seed=0)
     with pytest.raises(ValueError, match="at least one token"):
@@ -331,6 +339,24 @@ def test_partials_ignore_x_rows_past_the_tokens(m):
     got = summed_partials(*df.gemm_partials(padded, qw, cfg, tokens=m))
     assert got.shape == want.shape == (m, qw.padded_shape[0]) and torch.isfinite(got).all()
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m,k", [(130, 700), (256, 8704), (200, 5120)])
+def test_input_launch_shapes_give_the_same_bits(m, k):
+    """The input transform in whole rows a program (the prefill paths' tiles, a config's
+    input_blocks and input_tiles) writes the same x' and factors as the rule's one tile a program,
+    so the call's output is the same bits."""
+    from escha.kernels.actquant import actquant_config
+    qw = random_qweight(300, k, bits=2, seed=m, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = df.decode_fp8_config(qw, m, x.device)
+    aq = actquant_config(qw, m)
+    rows = dataclasses.replace(cfg, input_blocks=aq.blocks, input_tiles=aq.tiles)
+    y0, y1 = (df.decode_fp8(x, qw, config=c, out=torch.full((m, 300), float("nan"), device="cuda",
+                                                              dtype=torch.bfloat16)) for c in (cfg, rows))
+    assert torch.isfinite(y0).all() and torch.equal(y0, y1)
 
 
 @pytest.mark.gpu

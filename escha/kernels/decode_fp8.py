@@ -313,6 +313,14 @@ class DecodeFp8Config:
     programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
     dependent_launch: bool  # the three kernels as programmatic dependents, the GEMM starting early
     max_registers: int | None = None  # ptxas register cap a thread (None: the compiler's choice)
+    input_blocks: int | None = None  # Hadamard blocks an input-transform tile (None: its rule, one tile a program)
+    input_tiles: int = 1  # tiles an input-transform program takes one after another
+
+    def __post_init__(self) -> None:
+        if self.input_blocks is not None and (self.input_blocks < 1 or self.input_blocks & (self.input_blocks - 1)):
+            raise ValueError(f"input_blocks must be a power of two or None, got {self.input_blocks}")
+        if self.input_tiles < 1 or (self.input_tiles > 1 and self.input_blocks is None):
+            raise ValueError(f"input_tiles must be at least 1, and above 1 only with input_blocks, got {self}")
 
 
 #: The build of each token block: (stages, warps_m, warps_n, register cap), and the programs one SM
@@ -428,7 +436,8 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
     pdl = cfg.dependent_launch
     # x' has whole token blocks of rows (those past m unwritten): no TMA box reaches past it.
     xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, keep=False, fp8=True,
-                               mma_order=True, rows=triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens)
+                               mma_order=True, rows=triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens,
+                               blocks=cfg.input_blocks, tiles=cfg.input_tiles)
     ws, counts = gemm_partials(xq, qw, cfg, tokens=m)
     y = output_tensor(x, m, qw.out_features, out)
     hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
