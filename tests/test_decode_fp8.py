@@ -97,6 +97,18 @@ def test_input_transform_fp8(m, k, outlier, mma_order):
     assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
 
 
+@pytest.mark.parametrize("blocks,tiles", [(8, 2), (2, 5), (16, 1)])
+def test_input_transform_fp8_launch_shapes_write_the_same_bits(blocks, tiles):
+    """decode_fp8's input transform in other launch shapes (DecodeFp8Config.input_blocks and
+    input_tiles: whole rows a program, as the prefill paths take them) writes the same e4m3 x' in
+    the MMA column order and the same factors as the rule's shape (Triton interpreter)."""
+    qw = random_qweight(64, 1100, bits=2, seed=3)  # 9 blocks: a tile's last blocks past the row
+    x = torch.randn(6, 1100, dtype=torch.bfloat16)
+    want, want_inv, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True, rows=8)
+    got, inv, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True, rows=8, blocks=blocks, tiles=tiles)
+    assert torch.equal(got[:6].view(torch.uint8), want[:6].view(torch.uint8)) and torch.equal(inv, want_inv)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_input_transform_fp8_applies_the_norm(dtype):
     """The fp8 form with the RMSNorm in the input transform (what ``decode_fp8(..., norm=)``
