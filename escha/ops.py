@@ -445,9 +445,9 @@ _decode_core_op.register_fake(_decode_core_fake)
 # The backward multiplies in the transform domain, W_hat = diag(g c su) Hn T Hk diag(sv) / 128
 # (docs/FORMAT.md section 5), and decodes T one run of whole 128-row blocks at a time, so it never
 # holds W_hat and its temporaries stay a few runs of T whatever the weight's size: on the CPU, for
-# a 4096 x 4096 weight, 0.37 GiB at peak against 2.1 GiB for the whole W_hat by the reference
-# decoder (benchmarks/bench_backward.py, results/backward_cpu/). On a GPU T comes from the dequant
-# kernel instead of the reference decoder (not yet timed).
+# a 4096 x 4096 weight at 8 tokens, 0.35 GiB at peak and 1.4 s against 2.1 GiB and 2.9 s for the
+# whole W_hat by the reference decoder (benchmarks/bench_backward.py, results/backward_cpu/). On
+# a GPU T comes from the dequant kernel instead of the reference decoder (not yet timed).
 BACKWARD_RUN_WEIGHTS = 1 << 20  # padded weights a decoded run at most (one 128-row block at least)
 
 
