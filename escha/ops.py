@@ -40,9 +40,10 @@ under torch.compile(fullgraph=True) and inside CUDA-graph capture: nothing in it
 with the host or copies from host memory. Its backward gives x's gradient (the quantized weight is
 frozen) in the transform domain, through ``escha::decode_core`` (the core T, by the dequant
 kernel on a GPU), an op of its own so that a compiled backward need not trace the decoders, called
-on runs of whole 128-row blocks so that its memory stays small whatever the weight's size. A plain eager call (no compiler, tracer, dispatch mode, profiler or
-gradient involved) runs the same implementation without the op's dispatch, which costs as much
-host time as the kernels' launches at a few tokens.
+on runs of whole 128-row blocks so that its memory stays small whatever the weight's size. A plain
+eager call (no compiler, tracer, dispatch mode, profiler or gradient involved) runs the same
+implementation without the op's dispatch, which costs as much host time as the kernels' launches
+at a few tokens.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .format.codec import matmul_reference
 from .format.qweight import TENSOR_NAMES, QuantizedWeight
+from .format.spec import HAD_BLOCK, padded
 from .norm import HEAD, HeadNorm, RowNorm
 
 
@@ -427,12 +429,7 @@ def _decode_core_impl(*args) -> torch.Tensor:
 
 def _decode_core_fake(*args) -> torch.Tensor:
     out_features, in_features = args[len(TENSOR_NAMES):len(TENSOR_NAMES) + 2]
-    return args[0].new_empty((_padded(out_features), _padded(in_features)), dtype=torch.float16)
-
-
-def _padded(n: int) -> int:
-    from .format.spec import HAD_BLOCK
-    return -(-n // HAD_BLOCK) * HAD_BLOCK
+    return args[0].new_empty((padded(out_features), padded(in_features)), dtype=torch.float16)
 
 
 # matmul's backward multiplies by T: an op, since a compiled backward cannot trace the decoders.
@@ -456,9 +453,8 @@ def _row_runs(tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGH
     128-row blocks; a run is a valid weight of its own (escha.format.shard), so its T is those
     rows of the whole weight's T."""
     from .format.shard import ShardPlan, take
-    from .format.spec import HAD_BLOCK
     out_features, in_features, bits, codebook_id = ints[:4]
-    blocks, kp = -(-out_features // HAD_BLOCK), _padded(in_features)
+    blocks, kp = -(-out_features // HAD_BLOCK), padded(in_features)
     per = max(1, run_weights // (HAD_BLOCK * kp))
     for a in range(0, blocks, per):
         b = min(blocks, a + per)
@@ -478,7 +474,6 @@ def _hadamard_pm1(x: torch.Tensor) -> torch.Tensor:
     """x [M, n] float32 times blockdiag(H, H, ...) of the exact +-1 128-matrix, built by device ops
     (a backward may be traced, and a trace cannot take escha.format.hadamard's cached matrix)."""
     from .format.hadamard import sylvester_pm1
-    from .format.spec import HAD_BLOCK
     h = sylvester_pm1(HAD_BLOCK, x.device, torch.float32)
     return (x.unflatten(-1, (-1, HAD_BLOCK)) @ h).flatten(-2)
 
@@ -489,7 +484,7 @@ def _times_w(g: torch.Tensor, tensors: tuple, ints: tuple, run_weights: int = BA
     row_scale = _row_scale(tensors)
     gs = torch.nn.functional.pad(g.to(torch.float32) * row_scale[:out_features], (0, row_scale.shape[0] - out_features))
     gh = _hadamard_pm1(gs)
-    z = gh.new_zeros((gh.shape[0], _padded(in_features)))
+    z = gh.new_zeros((gh.shape[0], padded(in_features)))
     for r0, r1, args in _row_runs(tensors, ints, run_weights):
         z.addmm_(gh[:, r0:r1], torch.ops.escha.decode_core(*args).to(torch.float32))
     sv = dict(zip(TENSOR_NAMES, tensors))["sv"].float()
@@ -534,8 +529,8 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
         grads[0] = g.to(ctx.x_dtype).reshape(*grad_y.shape[:-1], in_features)
         return tuple(grads)
     # With norms: differentiate the function the reference path computes (norm, product at its
-    # output's dtype, head norm) in PyTorch, the product by hand (W_hat decoded run by run, never
-    # kept for autograd); the kernels' fused forms match it within tolerance.
+    # output's dtype, head norm) in PyTorch, the product by hand (T decoded run by run, never kept
+    # for autograd); the kernels' fused forms match it within tolerance.
     with torch.enable_grad():
         leaves = {0: x.detach(), i_norm: None if norm_weight is None else norm_weight.detach(),
                   i_head: None if head_weight is None else head_weight.detach()}
