@@ -12,9 +12,10 @@ bash benchmarks/snapshot_kernels.sh "$REV" || finish 1  # .prev/*_$REV.py from t
 git apply benchmarks/results/fp8_kb2/candidate.patch 2>/dev/null || patch -p1 < benchmarks/results/fp8_kb2/candidate.patch \
     || { echo "patch does not apply"; finish 1; }
 # Gates first: the e4m3 tiles bit for bit, the partials against the exact e4m3 product (a tile's odd
-# last k-block at K = 300 among them), two k-blocks a step bit-identical to one on grids that cut
-# the tiles alike, whole calls within the fp8 table. No timing if any fails.
-timeout 120 python -m pytest -q -m gpu tests/test_decode_fp8.py -p no:cacheprovider > $O/gpu_tests.txt 2>&1
+# last k-block at K = 300 among them, and weights of one k-block), two k-blocks a step bit-identical
+# to one on grids that cut the tiles alike, whole calls within the fp8 table, and the GPU fuzz (which
+# found the one-k-block NaN of the patch's first form). No timing if any fails.
+timeout 240 python -m pytest -q -m gpu tests/test_decode_fp8.py tests/test_fuzz.py -p no:cacheprovider > $O/gpu_tests.txt 2>&1
 tail -n 2 $O/gpu_tests.txt
 tail -n 1 $O/gpu_tests.txt | grep -q " passed" && ! tail -n 1 $O/gpu_tests.txt | grep -qE "failed|error" \
     || { echo "gates failed: not timed"; finish 1; }
