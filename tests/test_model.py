@@ -309,6 +309,9 @@ def test_option_types_are_checked_and_a_skip_string_is_one_pattern(tiny):
     assert QuantizeOptions(skip=["lm_head", "*.q_proj"]).skip == ("lm_head", "*.q_proj")
     with pytest.raises(TypeError, match="^skip must be a module name or a tuple"):
         QuantizeOptions(skip=None)
+    for listed in ("lm_head,*.q_proj", ["lm_head", "a,b"]):  # matched nothing before: quantized silently
+        with pytest.raises(ValueError, match="^skip patterns name modules, which hold no commas"):
+            QuantizeOptions(skip=listed)
     with pytest.raises(TypeError, match=r"^bpw must be a number or None, got '2.5' \(str\)$"):
         QuantizeOptions(bpw="2.5")
     with pytest.raises(TypeError, match=r"^seq_len must be an int, got '2' \(str\)$"):

@@ -28,7 +28,8 @@ class QuantizeOptions:
     bits: int | None = 2
     bpw: float | None = None
     calib: str | None = None  # UTF-8 text file; None = the shipped corpus (escha/model/data)
-    # Module names or globs; the whole list (lm_head included). A single string is one pattern.
+    # Module names or globs; the whole list (lm_head included). A single string is one pattern; a
+    # pattern with a comma is refused (no module name has one).
     skip: tuple[str, ...] | str = DEFAULT_SKIP
     seed: int = 0
     # None: quantize_model uses CUDA when torch sees a GPU, else the CPU; quantize_module and
@@ -55,6 +56,10 @@ class QuantizeOptions:
         skip = (self.skip,) if isinstance(self.skip, str) else self.skip
         if not isinstance(skip, (tuple, list)) or not all(isinstance(s, str) for s in skip):
             raise TypeError(f"skip must be a module name or a tuple of names/globs, got {self.skip!r}")
+        listed = [s for s in skip if "," in s]
+        if listed:  # module names hold no commas: "lm_head,embed" would match nothing, silently
+            raise ValueError(f"skip patterns name modules, which hold no commas: pass a tuple, e.g. "
+                             f"{tuple(p for s in skip for p in s.split(',') if p)!r}, not {self.skip!r}")
         self.skip = tuple(s for s in skip if s)
         _check_number("bpw", self.bpw, float, optional=True)
         _check_number("seq_len", self.seq_len, int)
