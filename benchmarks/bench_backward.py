@@ -31,18 +31,17 @@ def arm(name: str, shape: tuple[int, int], m: int, device: str) -> dict:
     from escha.format.qweight import TENSOR_NAMES, QuantizedWeight
     from escha.ops import BACKWARD_RUN_WEIGHTS, _row_runs, _times_w
     qw = random_qweight(*shape, 2, seed=0).to(device)
-    tensors, ints = tuple(getattr(qw, n) for n in TENSOR_NAMES), (*qw.shape, qw.bits, qw.codebook_id)
     g = torch.randn(m, shape[0], generator=torch.Generator().manual_seed(1)).to(device)
 
     def w_hat_runs() -> torch.Tensor:
         acc = g.new_zeros((m, shape[1]))
-        for r0, _, args in _row_runs(tensors, ints):
+        for r0, _, args in _row_runs(qw):
             w = dequantize(QuantizedWeight.trusted(args[:len(TENSOR_NAMES)], (args[-4], shape[1]), 2, 0))
             acc.addmm_(g[:, r0:r0 + w.shape[0]], w)
         return acc
 
     run = {"w_hat": lambda: g @ dequantize(qw), "w_hat_runs": w_hat_runs,
-           "core_runs": lambda: _times_w(g, tensors, ints)}[name]
+           "core_runs": lambda: _times_w(g, qw)}[name]
     if device == "cuda":  # a first call compiles the kernels; the peak and times are of the calls after it
         run()
         torch.cuda.synchronize()

@@ -135,8 +135,7 @@ def main() -> int:
                 if args.build_variants and m > 64:
                     configs.update(build_variants(ws[0], m))
                 if args.input_rows:  # each token's row read once, not once a program of it
-                    aq = actquant_config(ws[0], m)
-                    configs["fp8_in_rows"] = dataclasses.replace(cfg, input_blocks=aq.blocks, input_tiles=aq.tiles)
+                    configs["fp8_in_rows"] = dataclasses.replace(cfg, input_shape=actquant_config(ws[0], m))
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                 arms = {
                     **cublas_arms(xs, dense_rot, fp8_rot),

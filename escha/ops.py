@@ -448,26 +448,19 @@ _decode_core_op.register_fake(_decode_core_fake)
 BACKWARD_RUN_WEIGHTS = 1 << 20  # padded weights a decoded run at most (one 128-row block at least)
 
 
-def _row_runs(tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS):
+def _row_runs(qw: QuantizedWeight, run_weights: int = BACKWARD_RUN_WEIGHTS):
     """(first padded row, end padded row, escha::decode_core's arguments) for each run of whole
     128-row blocks; a run is a valid weight of its own (escha.format.shard), so its T is those
     rows of the whole weight's T."""
     from .format.shard import ShardPlan, take
-    out_features, in_features, bits, codebook_id = ints[:4]
-    blocks, kp = -(-out_features // HAD_BLOCK), padded(in_features)
+    np_, kp = qw.padded_shape
     per = max(1, run_weights // (HAD_BLOCK * kp))
-    for a in range(0, blocks, per):
-        b = min(blocks, a + per)
-        rows = (a * HAD_BLOCK, min(b * HAD_BLOCK, out_features))
+    for a in range(0, np_ // HAD_BLOCK, per):
+        b = min(np_ // HAD_BLOCK, a + per)
+        rows = (a * HAD_BLOCK, min(b * HAD_BLOCK, qw.out_features))
         plan = ShardPlan(0, ((a, b),), (rows,))
-        run = [take(spec, plan, t.__getitem__) for spec, t in zip(QuantizedWeight.TENSORS, tensors)]
-        yield a * HAD_BLOCK, b * HAD_BLOCK, (*run, rows[1] - rows[0], in_features, bits, codebook_id)
-
-
-def _row_scale(tensors: tuple) -> torch.Tensor:
-    """fp32 [Np]: g c su, W_hat's output-side diagonal (escha.format.codec.row_scale)."""
-    named = dict(zip(TENSOR_NAMES, tensors))
-    return named["gscale"].float() * named["scale"].float() * named["su"].float()
+        run = [take(spec, plan, getattr(qw, spec.name).__getitem__) for spec in QuantizedWeight.TENSORS]
+        yield a * HAD_BLOCK, b * HAD_BLOCK, (*run, rows[1] - rows[0], qw.in_features, qw.bits, qw.codebook_id)
 
 
 def _hadamard_pm1(x: torch.Tensor) -> torch.Tensor:
@@ -478,28 +471,26 @@ def _hadamard_pm1(x: torch.Tensor) -> torch.Tensor:
     return (x.unflatten(-1, (-1, HAD_BLOCK)) @ h).flatten(-2)
 
 
-def _times_w(g: torch.Tensor, tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
+def _times_w(g: torch.Tensor, qw: QuantizedWeight, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
     """g [M, out] -> float32 [M, in]: g @ W_hat = ((g diag(g c su)) Hn) T Hk diag(sv) / 128."""
-    out_features, in_features = ints[:2]
-    row_scale = _row_scale(tensors)
-    gs = torch.nn.functional.pad(g.to(torch.float32) * row_scale[:out_features], (0, row_scale.shape[0] - out_features))
+    from .format.codec import row_scale
+    np_, kp = qw.padded_shape
+    gs = torch.nn.functional.pad(g.to(torch.float32) * row_scale(qw)[:qw.out_features], (0, np_ - qw.out_features))
     gh = _hadamard_pm1(gs)
-    z = gh.new_zeros((gh.shape[0], padded(in_features)))
-    for r0, r1, args in _row_runs(tensors, ints, run_weights):
+    z = gh.new_zeros((gh.shape[0], kp))
+    for r0, r1, args in _row_runs(qw, run_weights):
         z.addmm_(gh[:, r0:r1], torch.ops.escha.decode_core(*args).to(torch.float32))
-    sv = dict(zip(TENSOR_NAMES, tensors))["sv"].float()
-    return (_hadamard_pm1(z) * (sv / 128))[:, :in_features]
+    return (_hadamard_pm1(z) * (qw.sv.float() / HAD_BLOCK))[:, :qw.in_features]
 
 
-def _times_wt(h: torch.Tensor, tensors: tuple, ints: tuple, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
+def _times_wt(h: torch.Tensor, qw: QuantizedWeight, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
     """h [M, in] -> float32 [M, out]: h @ W_hat^T = ((h diag(sv) Hk) T^T Hn / 128) diag(g c su)."""
-    out_features, in_features = ints[:2]
-    sv = dict(zip(TENSOR_NAMES, tensors))["sv"].float()
-    hs = torch.nn.functional.pad(h.to(torch.float32), (0, sv.shape[0] - in_features)) * sv
-    hh = _hadamard_pm1(hs)
+    from .format.codec import row_scale
+    kp = qw.padded_shape[1]
+    hh = _hadamard_pm1(torch.nn.functional.pad(h.to(torch.float32), (0, kp - qw.in_features)) * qw.sv.float())
     z = torch.cat([hh @ torch.ops.escha.decode_core(*args).to(torch.float32).T
-                   for _, _, args in _row_runs(tensors, ints, run_weights)], dim=1)
-    return (_hadamard_pm1(z) * (_row_scale(tensors) / 128))[:, :out_features]
+                   for _, _, args in _row_runs(qw, run_weights)], dim=1)
+    return (_hadamard_pm1(z) * (row_scale(qw) / HAD_BLOCK))[:, :qw.out_features]
 
 
 def _matmul_setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
@@ -523,9 +514,9 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
     wanted = [i for i in (0, i_norm, i_head) if i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]]
     if not wanted:  # no input asks for a gradient: the weight is not decoded
         return tuple(grads)
-    ints = ctx.ints[:4]
+    qw = QuantizedWeight.trusted(tensors, (out_features, in_features), *ctx.ints[2:4])
     if norm_weight is None and head_weight is None:  # then only x can want one
-        g = _times_w(grad_y.reshape(-1, out_features), tensors, ints)
+        g = _times_w(grad_y.reshape(-1, out_features), qw)
         grads[0] = g.to(ctx.x_dtype).reshape(*grad_y.shape[:-1], in_features)
         return tuple(grads)
     # With norms: differentiate the function the reference path computes (norm, product at its
@@ -540,7 +531,7 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
         h2d = h.reshape(-1, in_features)
         grad_z = grad_y.reshape(-1, out_features)
         if head_weight is not None:
-            z = _times_wt(h2d.detach(), tensors, ints).to(h.dtype).requires_grad_(True)
+            z = _times_wt(h2d.detach(), qw).to(h.dtype).requires_grad_(True)
             head_leaves = [z] + ([leaves[i_head]] if i_head in wanted else [])
             found = torch.autograd.grad(HeadNorm(leaves[i_head], head_blocks, ctx.eps[1]).apply(z), head_leaves,
                                         grad_z, allow_unused=True)
@@ -549,7 +540,7 @@ def _matmul_backward(ctx, grad_y: torch.Tensor) -> tuple:
                 grads[i_head] = found[1]
         h_wanted = [i for i in wanted if i != i_head]  # x's and the norm's: through h
         if h_wanted:
-            grad_h = _times_w(grad_z, tensors, ints).to(h.dtype)
+            grad_h = _times_w(grad_z, qw).to(h.dtype)
             found = torch.autograd.grad(h2d, [leaves[i] for i in h_wanted], grad_h, allow_unused=True)
             for i, g in zip(h_wanted, found):
                 grads[i] = g

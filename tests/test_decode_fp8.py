@@ -99,8 +99,8 @@ def test_input_transform_fp8(m, k, outlier, mma_order):
 
 @pytest.mark.parametrize("blocks,tiles", [(8, 2), (2, 5), (16, 1)])
 def test_input_transform_fp8_launch_shapes_write_the_same_bits(blocks, tiles):
-    """decode_fp8's input transform in other launch shapes (DecodeFp8Config.input_blocks and
-    input_tiles: whole rows a program, as the prefill paths take them) writes the same e4m3 x' in
+    """decode_fp8's input transform in other launch shapes (DecodeFp8Config.input_shape: whole
+    rows a program, as the prefill paths take them) writes the same e4m3 x' in
     the MMA column order and the same factors as the rule's shape (Triton interpreter)."""
     qw = random_qweight(64, 1100, bits=2, seed=3)  # 9 blocks: a tile's last blocks past the row
     x = torch.randn(6, 1100, dtype=torch.bfloat16)
@@ -164,12 +164,17 @@ def test_config_with_another_block():
         df.config_with_block(qw, 300, 32)
 
 
-@pytest.mark.parametrize("changes,match", [({"input_blocks": 3}, "power of two"), ({"input_blocks": 0}, "power of two"),
-                                           ({"input_tiles": 2}, "only with input_blocks"), ({"input_tiles": 0}, "at least 1")])
-def test_config_refuses_input_shapes_the_transform_cannot_take(changes, match):
+def test_config_refuses_input_shapes_the_transform_cannot_take():
+    """The input transform's launch shape is the activation pass's own config, checked there (a
+    power of two blocks, at least one tile: tests/test_prefill.py); anything else is refused."""
+    from escha.kernels.actquant import ActQuantConfig
     qw = random_qweight(64, 128, bits=2, seed=0)
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(df.decode_fp8_config(qw, 200), **changes)
+    cfg = df.decode_fp8_config(qw, 200)
+    for blocks, tiles in ((3, 1), (0, 1), (8, 0)):
+        with pytest.raises(ValueError, match="blocks must be a power of two and tiles at least 1"):
+            dataclasses.replace(cfg, input_shape=ActQuantConfig(blocks, tiles))
+    with pytest.raises(TypeError, match="input_shape must be an ActQuantConfig or None"):
+        dataclasses.replace(cfg, input_shape=(8, 2))
 
 
 def test_rule_refuses_no_tokens():
@@ -358,14 +363,13 @@ def test_partials_ignore_x_rows_past_the_tokens(m):
 @pytest.mark.parametrize("m,k", [(130, 700), (256, 8704), (200, 5120)])
 def test_input_launch_shapes_give_the_same_bits(m, k):
     """The input transform in whole rows a program (the prefill paths' tiles, a config's
-    input_blocks and input_tiles) writes the same x' and factors as the rule's one tile a program,
+    input_shape) writes the same x' and factors as the rule's one tile a program,
     so the call's output is the same bits."""
     from escha.kernels.actquant import actquant_config
     qw = random_qweight(300, k, bits=2, seed=m, device="cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     cfg = df.decode_fp8_config(qw, m, x.device)
-    aq = actquant_config(qw, m)
-    rows = dataclasses.replace(cfg, input_blocks=aq.blocks, input_tiles=aq.tiles)
+    rows = dataclasses.replace(cfg, input_shape=actquant_config(qw, m))
     y0, y1 = (df.decode_fp8(x, qw, config=c, out=torch.full((m, 300), float("nan"), device="cuda",
                                                               dtype=torch.bfloat16)) for c in (cfg, rows))
     assert torch.isfinite(y0).all() and torch.equal(y0, y1)

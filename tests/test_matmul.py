@@ -194,11 +194,9 @@ def test_backward_decodes_whole_row_block_runs(shape, run_weights):
     products by runs equal the products by the whole W_hat within fp32's rounding (the Hadamards'
     sums of 128 terms and the runs' summation order)."""
     from escha.format.codec import decode_trellis
-    from escha.format.qweight import TENSOR_NAMES
     from escha.ops import _row_runs, _times_w, _times_wt
     qw = random_qweight(*shape, 2, seed=shape[0] + run_weights).to(DEV)
-    tensors, ints = tuple(getattr(qw, n) for n in TENSOR_NAMES), (*qw.shape, qw.bits, qw.codebook_id)
-    runs = list(_row_runs(tensors, ints, run_weights))
+    runs = list(_row_runs(qw, run_weights))
     assert len(runs) > 1 and [r[0] for r in runs[1:]] == [r[1] for r in runs[:-1]]
     assert runs[0][0] == 0 and runs[-1][1] == qw.padded_shape[0]
     decoded = torch.cat([torch.ops.escha.decode_core(*args) for _, _, args in runs])
@@ -206,7 +204,7 @@ def test_backward_decodes_whole_row_block_runs(shape, run_weights):
     whole = dequantize(qw).double()
     g = torch.randn(7, shape[0], device=DEV)
     h = torch.randn(7, shape[1], device=DEV)
-    for got, want in ((_times_w(g, tensors, ints, run_weights), g.double() @ whole),
-                      (_times_wt(h, tensors, ints, run_weights), h.double() @ whole.T)):
+    for got, want in ((_times_w(g, qw, run_weights), g.double() @ whole),
+                      (_times_wt(h, qw, run_weights), h.double() @ whole.T)):
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert float((got.double() - want).norm() / want.norm()) < 1e-6

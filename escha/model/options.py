@@ -56,8 +56,7 @@ class QuantizeOptions:
         skip = (self.skip,) if isinstance(self.skip, str) else self.skip
         if not isinstance(skip, (tuple, list)) or not all(isinstance(s, str) for s in skip):
             raise TypeError(f"skip must be a module name or a tuple of names/globs, got {self.skip!r}")
-        listed = [s for s in skip if "," in s]
-        if listed:  # module names hold no commas: "lm_head,embed" would match nothing, silently
+        if any("," in s for s in skip):  # module names hold no commas: "lm_head,embed" would match nothing, silently
             raise ValueError(f"skip patterns name modules, which hold no commas: pass a tuple, e.g. "
                              f"{tuple(p for s in skip for p in s.split(',') if p)!r}, not {self.skip!r}")
         self.skip = tuple(s for s in skip if s)
