@@ -43,8 +43,9 @@ from bench_decode import env_info, load_previous, revision, weight_set  # noqa: 
 
 # The seed shapes, two Llama-3-8B ones, and the narrow shards (where two k-blocks a program fall short of a
 # wave): Qwen3-14B's q/k/v and o at tensor-parallel degree 4 and its o at 2, Llama-3-8B's q/k/v and o at 4
-# and its o at 2; some of both at 8.
+# and its o at 2; some of both at 8; the two down projections at 2 (inputs between the seed's two).
 SHAPES = {"gate_up": (17408, 5120), "down": (5120, 8704), "qkv_8b": (6144, 4096), "down_8b": (4096, 14336),
+          "down_tp2": (5120, 4352), "down_8b_tp2": (4096, 7168),
           "qkv_tp4": (1792, 5120), "o_tp4": (5120, 1280), "o_tp2": (5120, 2560),
           "qkv_8b_tp4": (1536, 4096), "o_8b_tp4": (4096, 1024), "o_8b_tp2": (4096, 2048),
           "qkv_tp8": (896, 5120), "o_tp8": (5120, 640), "o_8b_tp8": (4096, 512), "down_8b_tp8": (4096, 1792)}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call (run on an H100 at eb5ce3e: h100_eb5ce3e/): the fp8 decode GEMM's 256-token build with two k-blocks a
-# step (candidate.patch, README.md) against the build before it (the unpatched tree, snapshot as the
-# arm fp8@REV), in one process; then its 128-token form as a variant arm, K=3, and the sanitizer.
+# One device call: the fp8 decode GEMM's 256-token build with two k-blocks a step (candidate.patch,
+# README.md) against the build before it (the unpatched tree, snapshot as the arm fp8@REV), in one
+# process, K=2 on seven shapes whose inputs run from 20 to 112 k-blocks, K=3 on the seed's two; then
+# the sanitizer. Its first form ran on an H100 at eb5ce3e (h100_eb5ce3e/, with the 128-token variant).
 # Usage on the device: ESCHA_GIT_SHA=<REV>+kb2 REV=<REV> bash benchmarks/results/fp8_kb2/run.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -19,13 +20,11 @@ timeout 240 python -m pytest -q -m gpu tests/test_decode_fp8.py tests/test_fuzz.
 tail -n 2 $O/gpu_tests.txt
 tail -n 1 $O/gpu_tests.txt | grep -q " passed" && ! tail -n 1 $O/gpu_tests.txt | grep -qE "failed|error" \
     || { echo "gates failed: not timed"; finish 1; }
-timeout 170 python benchmarks/bench_decode_fp8.py --out $O/fp8_k2 --ms 136,200,256 --shapes gate_up,down,down_8b \
+timeout 200 python benchmarks/bench_decode_fp8.py --out $O/fp8_k2 --ms 136,256 \
+    --shapes gate_up,down,down_8b,o_tp2,qkv_8b,down_tp2,down_8b_tp2 \
     --rounds 3 --previous .prev/decode_fp8_$REV.py > $O/fp8_k2.txt 2>&1
-grep -E "^(gate_up|down|GATE)" $O/fp8_k2/decode_fp8.log | cut -c1-300
-timeout 70 python benchmarks/bench_decode_fp8.py --out $O/fp8_bn128 --ms 96,128 --shapes gate_up,down --rounds 3 \
-    --build-variants > $O/fp8_bn128.txt 2>&1
-grep -E "^(gate_up|down|GATE)" $O/fp8_bn128/decode_fp8.log | cut -c1-300
-timeout 80 python benchmarks/bench_decode_fp8.py --out $O/fp8_k3 --bits 3 --ms 136,256 --shapes gate_up,down \
+grep -E "^(gate_up|down|o_|qkv|GATE)" $O/fp8_k2/decode_fp8.log | cut -c1-300
+timeout 90 python benchmarks/bench_decode_fp8.py --out $O/fp8_k3 --bits 3 --ms 136,256 --shapes gate_up,down,down_tp2 \
     --rounds 3 --previous .prev/decode_fp8_$REV.py > $O/fp8_k3.txt 2>&1
 grep -E "^(gate_up|down|GATE)" $O/fp8_k3/decode_fp8.log | cut -c1-300
 ESCHA_SANITIZER_PATHS=decode-fp8 ESCHA_SANITIZER_MS=130,200,256 ESCHA_SANITIZER_SHAPES=257x300,130x1000 timeout 110 \
