@@ -3,12 +3,14 @@ the whole W_hat by the reference decoder at once ("w_hat", the first form), W_ha
 blocks ("w_hat_runs", eb5ce3e) and the transform domain with the core T by runs ("core_runs", what
 the backward does: ((g diag(g c su)) Hn) T Hk diag(sv) / 128).
 
-    python benchmarks/bench_backward.py --out DIR [--shape 4096x4096] [--m 8]
+    python benchmarks/bench_backward.py --out DIR [--shape 4096x4096] [--m 8] [--run-weights N,...]
 
 Each arm runs in a fresh process, so its peak resident memory (CPU) or peak allocated memory (CUDA,
 ``torch.cuda.max_memory_allocated``, after a first call that compiles the kernels) is its own;
 seconds are the median of three calls; the weight's tensors, g and the result are in every arm's.
 All arms must give the same product within fp32's summation-order error, or nothing is written.
+``--run-weights`` adds the transform-domain form at other run sizes (arms "core_runs_N", N padded
+weights a run).
 """
 from __future__ import annotations
 
@@ -25,23 +27,23 @@ import time
 import torch
 
 
-def arm(name: str, shape: tuple[int, int], m: int, device: str) -> dict:
+def arm(name: str, shape: tuple[int, int], m: int, device: str, run_weights: int) -> dict:
     """One arm in this process: its product, peak memory above the inputs, and seconds."""
     from escha.format import dequantize, random_qweight
     from escha.format.qweight import TENSOR_NAMES, QuantizedWeight
-    from escha.ops import BACKWARD_RUN_WEIGHTS, _row_runs, _times_w
+    from escha.ops import _row_runs, _times_w
     qw = random_qweight(*shape, 2, seed=0).to(device)
     g = torch.randn(m, shape[0], generator=torch.Generator().manual_seed(1)).to(device)
 
     def w_hat_runs() -> torch.Tensor:
         acc = g.new_zeros((m, shape[1]))
-        for r0, _, args in _row_runs(qw):
+        for r0, _, args in _row_runs(qw, run_weights):
             w = dequantize(QuantizedWeight.trusted(args[:len(TENSOR_NAMES)], (args[-4], shape[1]), 2, 0))
             acc.addmm_(g[:, r0:r0 + w.shape[0]], w)
         return acc
 
     run = {"w_hat": lambda: g @ dequantize(qw), "w_hat_runs": w_hat_runs,
-           "core_runs": lambda: _times_w(g, qw)}[name]
+           "core_runs": lambda: _times_w(g, qw, run_weights)}[name.split("@")[0]]
     if device == "cuda":  # a first call compiles the kernels; the peak and times are of the calls after it
         run()
         torch.cuda.synchronize()
@@ -59,7 +61,7 @@ def arm(name: str, shape: tuple[int, int], m: int, device: str) -> dict:
     seconds = sorted(times)[1]
     peak = (torch.cuda.max_memory_allocated() if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"arm": name, "run_weights": None if name == "w_hat" else BACKWARD_RUN_WEIGHTS,
+    return {"arm": name, "run_weights": None if name == "w_hat" else run_weights,
             "peak_bytes_above_inputs": int(peak - base), "seconds": round(seconds, 4), "y": y.cpu()}
 
 
@@ -69,16 +71,21 @@ def main() -> None:
     ap.add_argument("--shape", default="4096x4096")
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--run-weights", default="", help="more run sizes for the transform-domain form (comma-separated)")
     ap.add_argument("--arm", help=argparse.SUPPRESS)  # a child process's one arm
     a = ap.parse_args()
     shape = tuple(int(v) for v in a.shape.split("x"))
     if a.arm:
-        r = arm(a.arm, shape, a.m, a.device)
+        name, _, n = a.arm.partition("@")
+        from escha.ops import BACKWARD_RUN_WEIGHTS
+        r = arm(name, shape, a.m, a.device, int(n) if n else BACKWARD_RUN_WEIGHTS)
+        r["arm"] = name if not n else f"{name}_{n}"
         torch.save(r, os.path.join(a.out, f"{a.arm}.pt"))
         return
     os.makedirs(a.out, exist_ok=True)
     rows = []
-    for name in ("w_hat", "w_hat_runs", "core_runs"):
+    names = ["w_hat", "w_hat_runs", "core_runs"] + [f"core_runs@{int(n)}" for n in a.run_weights.split(",") if n]
+    for name in names:
         subprocess.run([sys.executable, __file__, "--out", a.out, "--shape", a.shape, "--m", str(a.m),
                         "--device", a.device, "--arm", name], check=True)
         rows.append(torch.load(os.path.join(a.out, f"{name}.pt")))
@@ -96,7 +103,7 @@ def main() -> None:
     with open(os.path.join(a.out, f"backward_{a.device}.json"), "w") as f:
         json.dump(result, f, indent=1)
     for r in rows:
-        print(f"{r['arm']:10s} peak {r['peak_bytes_above_inputs'] / 2**20:8.1f} MiB  {r['seconds']:.2f} s")
+        print(f"{r['arm']:20s} peak {r['peak_bytes_above_inputs'] / 2**20:8.1f} MiB  {r['seconds'] * 1e3:9.2f} ms")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The fp8 decode GEMM on the H200: gates, then timings against cuBLAS and escha's other paths.
 
     python benchmarks/bench_decode_fp8.py --out DIR [--rounds 3] [--ms 64,128,192,256,384,512,640,768,1024]
-        [--shapes gate_up,down,down_8b] [--bits 2|3] [--uncapped] [--build-variants] [--input-rows]
+        [--shapes gate_up,down,down_8b] [--bits 2|3] [--uncapped] [--build-variants]
         [--previous FILE,...]
 
 Gates first: the e4m3 fragments bit for bit against the reference codec; at every point, before
@@ -19,10 +19,7 @@ per 128 rows instead of 64), each on one wave of its own occupancy. With ``--pre
 FILE[,FILE...]`` (earlier versions of escha/kernels/decode_fp8.py, e.g. made by
 ``benchmarks/snapshot_kernels.sh LABEL REV`` as .prev/decode_fp8_LABEL.py), each version's rule
 is one more arm (``fp8@LABEL``, the file name's last ``_`` field), gated as the others: a change
-measured against what it replaces in one process. With ``--input-rows``, the rule with its input
-transform in whole rows a program (``fp8_in_rows``: the prefill paths' launch shape, which at 512
-tokens ran down's pass in 8.3 µs against 18.9 with one tile of 8 blocks a program;
-escha/kernels/actquant.py's note).
+measured against what it replaces in one process.
 """
 from __future__ import annotations
 
@@ -40,7 +37,6 @@ from escha.bench.cuda_timing import GraphTimer
 from escha.format import random_qweight
 from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
                                       mma_order, reference_core, wave_programs)
-from escha.kernels.actquant import actquant_config
 from escha.kernels.decode_wgmma import decode_wgmma, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
 from escha.kernels.transforms import prepare_input
@@ -111,9 +107,6 @@ def main() -> int:
                     help="also the rule's build without its register cap (arm fp8_uncapped), where the rule sets one")
     ap.add_argument("--build-variants", action="store_true",
                     help="also blocks of 128 tokens in the builds of BUILD_ARMS (arms fp8_bn128_<label>)")
-    ap.add_argument("--input-rows", action="store_true",
-                    help="also the rule with its input transform in whole rows a program, in the prefill "
-                         "paths' tiles (actquant_config; arm fp8_in_rows)")
     args = ap.parse_args()
     previous = {"fp8@" + revision(f): load_previous(f) for f in (args.previous.split(",") if args.previous else [])}
     log, results = start_run(args.out, "decode_fp8.log", gate_fragments)
@@ -134,8 +127,6 @@ def main() -> int:
                     configs["fp8_uncapped"] = dataclasses.replace(cfg, max_registers=None)
                 if args.build_variants and m > 64:
                     configs.update(build_variants(ws[0], m))
-                if args.input_rows:  # each token's row read once, not once a program of it
-                    configs["fp8_in_rows"] = dataclasses.replace(cfg, input_shape=actquant_config(ws[0], m))
                 xs = [torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
                 arms = {
                     **cublas_arms(xs, dense_rot, fp8_rot),

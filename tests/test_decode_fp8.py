@@ -97,18 +97,6 @@ def test_input_transform_fp8(m, k, outlier, mma_order):
     assert bool(((got - want).abs() <= 2.0**-4 * want.abs() + 2.0**-10 * step).all())
 
 
-@pytest.mark.parametrize("blocks,tiles", [(8, 2), (2, 5), (16, 1)])
-def test_input_transform_fp8_launch_shapes_write_the_same_bits(blocks, tiles):
-    """decode_fp8's input transform in other launch shapes (DecodeFp8Config.input_shape: whole
-    rows a program, as the prefill paths take them) writes the same e4m3 x' in
-    the MMA column order and the same factors as the rule's shape (Triton interpreter)."""
-    qw = random_qweight(64, 1100, bits=2, seed=3)  # 9 blocks: a tile's last blocks past the row
-    x = torch.randn(6, 1100, dtype=torch.bfloat16)
-    want, want_inv, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True, rows=8)
-    got, inv, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True, rows=8, blocks=blocks, tiles=tiles)
-    assert torch.equal(got[:6].view(torch.uint8), want[:6].view(torch.uint8)) and torch.equal(inv, want_inv)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_input_transform_fp8_applies_the_norm(dtype):
     """The fp8 form with the RMSNorm in the input transform (what ``decode_fp8(..., norm=)``
@@ -162,19 +150,6 @@ def test_config_with_another_block():
     assert df.config_with_block(qw, 300, None) == df.decode_fp8_config(qw, 300)
     with pytest.raises(ValueError, match="block_tokens must be one of"):
         df.config_with_block(qw, 300, 32)
-
-
-def test_config_refuses_input_shapes_the_transform_cannot_take():
-    """The input transform's launch shape is the activation pass's own config, checked there (a
-    power of two blocks, at least one tile: tests/test_prefill.py); anything else is refused."""
-    from escha.kernels.actquant import ActQuantConfig
-    qw = random_qweight(64, 128, bits=2, seed=0)
-    cfg = df.decode_fp8_config(qw, 200)
-    for blocks, tiles in ((3, 1), (0, 1), (8, 0)):
-        with pytest.raises(ValueError, match="blocks must be a power of two and tiles at least 1"):
-            dataclasses.replace(cfg, input_shape=ActQuantConfig(blocks, tiles))
-    with pytest.raises(TypeError, match="input_shape must be an ActQuantConfig or None"):
-        dataclasses.replace(cfg, input_shape=(8, 2))
 
 
 def test_rule_refuses_no_tokens():
@@ -356,23 +331,6 @@ def test_partials_ignore_x_rows_past_the_tokens(m):
     got = summed_partials(*df.gemm_partials(padded, qw, cfg, tokens=m))
     assert got.shape == want.shape == (m, qw.padded_shape[0]) and torch.isfinite(got).all()
     assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("m,k", [(130, 700), (256, 8704), (200, 5120)])
-def test_input_launch_shapes_give_the_same_bits(m, k):
-    """The input transform in whole rows a program (the prefill paths' tiles, a config's
-    input_shape) writes the same x' and factors as the rule's one tile a program,
-    so the call's output is the same bits."""
-    from escha.kernels.actquant import actquant_config
-    qw = random_qweight(300, k, bits=2, seed=m, device="cuda")
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    cfg = df.decode_fp8_config(qw, m, x.device)
-    rows = dataclasses.replace(cfg, input_shape=actquant_config(qw, m))
-    y0, y1 = (df.decode_fp8(x, qw, config=c, out=torch.full((m, 300), float("nan"), device="cuda",
-                                                              dtype=torch.bfloat16)) for c in (cfg, rows))
-    assert torch.isfinite(y0).all() and torch.equal(y0, y1)
 
 
 @pytest.mark.gpu

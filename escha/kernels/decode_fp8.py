@@ -77,7 +77,6 @@ from .decode_wgmma import (
     runs_on,
     segment_counts,
 )
-from .actquant import ActQuantConfig
 from .transforms import hadamard_output, prepare_input
 from .triton_compat import cta_barrier, tma_async_load
 
@@ -314,13 +313,6 @@ class DecodeFp8Config:
     programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
     dependent_launch: bool  # the three kernels as programmatic dependents, the GEMM starting early
     max_registers: int | None = None  # ptxas register cap a thread (None: the compiler's choice)
-    # The input transform's launch shape, as the prefill paths' activation pass takes it (blocks a
-    # tile, tiles a program); None: the decode paths' rule, one tile a program.
-    input_shape: ActQuantConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.input_shape is not None and not isinstance(self.input_shape, ActQuantConfig):
-            raise TypeError(f"input_shape must be an ActQuantConfig or None, got {type(self.input_shape).__name__}")
 
 
 #: The build of each token block: (stages, warps_m, warps_n, register cap), and the programs one SM
@@ -435,10 +427,8 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
     cfg = config or decode_fp8_config(qw, m, x.device)
     pdl = cfg.dependent_launch
     # x' has whole token blocks of rows (those past m unwritten): no TMA box reaches past it.
-    blocks, tiles = (None, 1) if cfg.input_shape is None else (cfg.input_shape.blocks, cfg.input_shape.tiles)
     xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, keep=False, fp8=True,
-                               mma_order=True, rows=triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens,
-                               blocks=blocks, tiles=tiles)
+                               mma_order=True, rows=triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens)
     ws, counts = gemm_partials(xq, qw, cfg, tokens=m)
     y = output_tensor(x, m, qw.out_features, out)
     hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
