@@ -78,7 +78,7 @@ def main() -> None:
     if a.arm:
         name, _, n = a.arm.partition("@")
         from escha.ops import BACKWARD_RUN_WEIGHTS
-        r = arm(name, shape, a.m, a.device, int(n) if n else BACKWARD_RUN_WEIGHTS)
+        r = arm(name, shape, a.m, a.device, int(n) if n else BACKWARD_RUN_WEIGHTS[a.device])
         r["arm"] = name if not n else f"{name}_{n}"
         torch.save(r, os.path.join(a.out, f"{a.arm}.pt"))
         return

@@ -14,8 +14,8 @@
 # PHASE "backward": escha.matmul's backward on the GPU: its tests (test_matmul, test_norms, test_nn,
 #                  test_dispatch's opcheck), then benchmarks/bench_backward.py's three forms of
 #                  grad_y @ W_hat (peak memory and seconds) at 4096x4096 and gate_up, 16 tokens, the
-#                  transform-domain form also at runs of 4M, 16M and 64M weights (the rule's 1M makes
-#                  136 runs of one 128-row block on gate_up: 32 ms on an H100, results/h100_9ff1615/).
+#                  transform-domain form at the GPU's run size (2^24 weights) and at 2^20 (136 runs of
+#                  one 128-row block on gate_up: 32 ms on an H100, results/h100_9ff1615/), 2^22, 2^26.
 # PHASE "core-gemm": escha/kernels/core_gemm.py (the plain-core path's fp8 GEMM with Hn in its
 #                  epilogue, from 1024 tokens): its tests on the GPU, memcheck and racecheck of the
 #                  path at 65 and 1030 tokens, then benchmarks/probe_core_gemm.py: the path with it
@@ -398,7 +398,7 @@ case "$phase" in
       tests/test_dispatch.py -k "gradient or backward or row_block or opcheck"
     for shape in 4096x4096 17408x5120; do
       step "bench_backward_$shape" 150 python benchmarks/bench_backward.py --out "$out/backward_$shape" --shape "$shape" --m 16 \
-        --run-weights 4194304,16777216,67108864
+        --run-weights 1048576,4194304,67108864
     done
     ;;
   gpu-suite)

@@ -446,17 +446,22 @@ _decode_core_op.register_fake(_decode_core_fake)
 # whole W_hat by the reference decoder (benchmarks/bench_backward.py, results/backward_cpu/). On
 # a GPU T comes from the dequant kernel: on an H100, gate_up (17408 x 5120) at 16 tokens, 6.5 MiB
 # above the inputs at peak and 32 ms (host wall clock), against 11.1 GiB and 38 ms for the whole
-# W_hat (results/h100_9ff1615/backward/). Its 136 runs of one 128-row block cost about 0.2 ms each
-# on the host; larger runs on a GPU are to be timed (run_h200.sh backward) before the size moves.
-BACKWARD_RUN_WEIGHTS = 1 << 20  # padded weights a decoded run at most (one 128-row block at least)
+# W_hat (results/h100_9ff1615/backward/). Those 32 ms were 136 runs of one 128-row block, about
+# 0.24 ms each, host work (the kernel decodes a block in about a microsecond): so on a GPU a run is
+# 2^24 weights (gate_up in 6 runs; T in fp16 and its fp32 copy about 100 MB at most), fewer
+# launches for the same GPU work; not yet timed (run_h200.sh backward times 2^20 to 2^26).
+BACKWARD_RUN_WEIGHTS = {"cpu": 1 << 20, "cuda": 1 << 24}  # padded weights a decoded run at most, by device
 
 
-def _row_runs(qw: QuantizedWeight, run_weights: int = BACKWARD_RUN_WEIGHTS):
+def _row_runs(qw: QuantizedWeight, run_weights: int | None = None):
     """(first padded row, end padded row, escha::decode_core's arguments) for each run of whole
-    128-row blocks; a run is a valid weight of its own (escha.format.shard), so its T is those
-    rows of the whole weight's T."""
+    128-row blocks (at most ``run_weights`` padded weights a run, one block at least; None: the
+    device's BACKWARD_RUN_WEIGHTS); a run is a valid weight of its own (escha.format.shard), so its
+    T is those rows of the whole weight's T."""
     from .format.shard import ShardPlan, take
     np_, kp = qw.padded_shape
+    if run_weights is None:
+        run_weights = BACKWARD_RUN_WEIGHTS.get(qw.device.type, BACKWARD_RUN_WEIGHTS["cpu"])
     per = max(1, run_weights // (HAD_BLOCK * kp))
     for a in range(0, np_ // HAD_BLOCK, per):
         b = min(np_ // HAD_BLOCK, a + per)
@@ -474,7 +479,7 @@ def _hadamard_pm1(x: torch.Tensor) -> torch.Tensor:
     return (x.unflatten(-1, (-1, HAD_BLOCK)) @ h).flatten(-2)
 
 
-def _times_w(g: torch.Tensor, qw: QuantizedWeight, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
+def _times_w(g: torch.Tensor, qw: QuantizedWeight, run_weights: int | None = None) -> torch.Tensor:
     """g [M, out] -> float32 [M, in]: g @ W_hat = ((g diag(g c su)) Hn) T Hk diag(sv) / 128."""
     from .format.codec import row_scale
     np_, kp = qw.padded_shape
@@ -486,7 +491,7 @@ def _times_w(g: torch.Tensor, qw: QuantizedWeight, run_weights: int = BACKWARD_R
     return (_hadamard_pm1(z) * (qw.sv.float() / HAD_BLOCK))[:, :qw.in_features]
 
 
-def _times_wt(h: torch.Tensor, qw: QuantizedWeight, run_weights: int = BACKWARD_RUN_WEIGHTS) -> torch.Tensor:
+def _times_wt(h: torch.Tensor, qw: QuantizedWeight, run_weights: int | None = None) -> torch.Tensor:
     """h [M, in] -> float32 [M, out]: h @ W_hat^T = ((h diag(sv) Hk) T^T Hn / 128) diag(g c su)."""
     from .format.codec import row_scale
     kp = qw.padded_shape[1]

@@ -208,3 +208,17 @@ def test_backward_decodes_whole_row_block_runs(shape, run_weights):
                       (_times_wt(h, qw, run_weights), h.double() @ whole.T)):
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+def test_backward_run_size_follows_the_device():
+    """Without a size, a run holds at most the device's BACKWARD_RUN_WEIGHTS padded weights in
+    whole 128-row blocks, and one block where a single block is larger."""
+    from escha.ops import BACKWARD_RUN_WEIGHTS, _row_runs
+    qw = random_qweight(1300, 700, 2, seed=5).to(DEV)  # 11 blocks of 128 x 768 padded weights
+    per_block = 128 * qw.padded_shape[1]
+    cap = BACKWARD_RUN_WEIGHTS[qw.device.type]
+    sizes = [r1 - r0 for r0, r1, _ in _row_runs(qw)]
+    want = max(1, cap // per_block) * 128
+    assert sizes[:-1] == [want] * (len(sizes) - 1) and sum(sizes) == qw.padded_shape[0]
+    assert [r1 - r0 for r0, r1, _ in _row_runs(qw, per_block - 1)] == [128] * 11
+    assert [r1 - r0 for r0, r1, _ in _row_runs(qw, 3 * per_block)] == [384, 384, 384, 256]
