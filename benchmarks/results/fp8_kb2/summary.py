@@ -1,24 +1,27 @@
-"""Tables of the two-k-block build (arm fp8, candidate.patch) against the build before it (fp8@eb5ce3e)
-from this folder's runs: python summary.py > summary.md"""
+"""Tables of the two-k-block build (arm fp8, candidate.patch) against the build before it (the arm
+fp8@REV) from one folder's runs (run*/fp8_k2 and fp8_k3): python summary.py DIR > DIR/summary.md"""
 import glob
 import json
 import os
 import statistics
+import sys
 
-here = os.path.dirname(os.path.abspath(__file__))
-rows = {}
+here = os.path.abspath(sys.argv[1])
+rows, label = {}, None
 for path in sorted(glob.glob(os.path.join(here, "run*", "fp8_k[23]", "decode_fp8.json"))):
     d = json.load(open(path))
     for p in d["points"]:
         us = p["us"]
-        if "fp8@eb5ce3e" in us:
+        before = [k for k in us if k.startswith("fp8@")]
+        if before:
+            label = before[0]
             rows.setdefault((p["bits"], p["shape"], p["M"]), []).append(
-                (os.path.relpath(path, here).split(os.sep)[0], us["fp8"], us["fp8@eb5ce3e"], us["cublas_bf16"]))
+                (os.path.relpath(path, here).split(os.sep)[0], us["fp8"], us[label], us["cublas_bf16"]))
 env = d["env"]
-print(f"# Two k-blocks a step (fp8) against one (fp8@eb5ce3e), whole call, µs\n")
+print(f"# Two k-blocks a step (fp8) against one ({label}), whole call, µs\n")
 print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['git']}, {env['date'][:10]}; "
       "CUDA graphs, weights rotated past L2, medians; each run one process, arms interleaved.\n")
-print("| K | shape | M | runs | fp8 (two) | fp8@eb5ce3e (one) | two / one, each run | median | bf16 cuBLAS | two / bf16 |")
+print(f"| K | shape | M | runs | fp8 (two) | {label} (one) | two / one, each run | median | bf16 cuBLAS | two / bf16 |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 for (bits, shape, m), rs in sorted(rows.items()):
     ratios = [a / b for _, a, b, _ in rs]
