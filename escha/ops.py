@@ -447,9 +447,10 @@ _decode_core_op.register_fake(_decode_core_fake)
 # a GPU T comes from the dequant kernel: on an H100, gate_up (17408 x 5120) at 16 tokens, 6.5 MiB
 # above the inputs at peak and 32 ms (host wall clock), against 11.1 GiB and 38 ms for the whole
 # W_hat (results/h100_9ff1615/backward/). Those 32 ms were 136 runs of one 128-row block, about
-# 0.24 ms each, host work (the kernel decodes a block in about a microsecond): so on a GPU a run is
-# 2^24 weights (gate_up in 6 runs; T in fp16 and its fp32 copy about 100 MB at most), fewer
-# launches for the same GPU work; not yet timed (run_h200.sh backward times 2^20 to 2^26).
+# 0.24 ms each, where the dequant kernel decodes all 136 blocks in under 0.1 ms (docs/KERNELS.md):
+# mostly host work, by that arithmetic. So on a GPU a run is 2^24 weights (gate_up in 6 runs; T
+# in fp16 and its fp32 copy about 100 MB at most), fewer launches for the same GPU work; not yet
+# timed (run_h200.sh backward times 2^20 to 2^26).
 BACKWARD_RUN_WEIGHTS = {"cpu": 1 << 20, "cuda": 1 << 24}  # padded weights a decoded run at most, by device
 
 
