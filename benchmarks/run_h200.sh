@@ -153,10 +153,15 @@
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
 #                  220 s, so it has a call of its own and one batch size.
+# PHASE "generate": decode through transformers' own model.generate (benchmarks/bench_generate.py):
+#                  eager (its default), with cache_implementation="static" (transformers compiles the
+#                  step, mode="reduce-overhead") and the hand-captured graph, bf16 and escha, batch 1,
+#                  on GENERATE_LAYERS (default 12) of the Qwen3-14B-shaped model: each compile of the
+#                  40-layer step took minutes. First the GPU test of the static form (test_hf.py).
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -454,6 +459,11 @@ case "$phase" in
   compile)
     step e2e_compile 560 python benchmarks/bench_e2e.py --device cuda --graphs compile --arms bf16,escha \
       --batches 1 --out "$out/e2e_compile_h200.json"
+    ;;
+  generate)
+    step generate_test 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_hf.py
+    step generate 420 python benchmarks/bench_generate.py --device cuda --layers "${GENERATE_LAYERS:-12}" \
+      --batches 1 --out "$out/generate.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \

@@ -615,6 +615,27 @@ def test_e2e_results_are_written_for_the_tiny_model(tmp_path):
     assert json.loads(json.dumps(doc))["config"]["rope_theta"] == 1_000_000.0 and doc["layers"] == 40
 
 
+# -- benchmarks/bench_generate.py ----------------------------------------------------------------
+def test_generate_bench_times_tokens_after_its_mark(tmp_path):
+    """transformers' generate on the tiny model, both arms: every row timed after its clock's mark,
+    the ratio written; and the refusals (a mark past the last token, graph forms on the CPU)."""
+    pytest.importorskip("transformers")
+    gen = _script("bench_generate")
+    out = tmp_path / "gen.json"
+    assert gen.main(["--tiny", "--device", "cpu", "--new-tokens", "3", "--skip", "1", "--repeats", "1",
+                     "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for arm in ("bf16", "escha"):
+        (row,) = res["arms"][arm]["rows"]
+        assert row["form"] == "generate" and row["tokens_per_s"] > 0 and not row["compiled"]
+        assert len(row["tokens"]) == 3 and len(row["seconds_per_token"]) == 1
+    assert res["escha_over_bf16"]["generate"]["1"] > 0 and res["layers"] == 2
+    assert gen.agreement([1, 2, 3], [1, 2, 4]) == 2 and gen.agreement([], [1]) == 0
+    for bad in (["--skip", "5"], ["--skip", "0"], ["--forms", "graphs"], ["--forms", "eager"]):
+        with pytest.raises(SystemExit):
+            gen.main(["--tiny", "--device", "cpu", "--new-tokens", "5", *bad])
+
+
 # -- benchmarks/bench_e2e_tp.py -----------------------------------------------------------------
 def test_e2e_tp_ratios_and_arguments():
     """The TP script's ratios and its refusals (the run itself needs torchrun: see its docstring)."""

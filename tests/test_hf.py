@@ -80,3 +80,41 @@ def test_gemma3_loads_in_the_asked_dtype(tmp_path):
     assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     with torch.no_grad():
         assert torch.equal(ours(PROMPT).logits, hf(PROMPT).logits)
+
+
+def test_static_cache_generate_compiles(quantized):
+    """transformers compiles the decode step of ``generate(..., cache_implementation="static")``
+    for an escha model loaded by from_pretrained (on accelerators by default; here on the CPU by
+    its CompileConfig's switch), and the compiled steps give the eager steps' tokens."""
+    from transformers import CompileConfig
+    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized).eval()
+    assert hf.hf_quantizer.is_compileable
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers' own switch for compiling on the CPU
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        static = hf.generate(PROMPT, cache_implementation="static", compile_config=config, **kw)
+        assert hasattr(hf, "_compiled_call")  # the decode steps ran compiled
+        eager = hf.generate(PROMPT, **kw)
+    assert torch.equal(static.sequences, eager.sequences)
+    for a, b in zip(static.logits, eager.logits):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_static_cache_generate_runs_cuda_graphs(quantized):
+    """On a GPU, ``generate(..., cache_implementation="static")`` compiles the decode step with
+    transformers' defaults (``mode="reduce-overhead"``: CUDA graphs over escha's kernels) and
+    gives the eager steps' tokens, its logits within bf16's rounding of theirs."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.bfloat16).to("cuda").eval()
+    ids = PROMPT.to("cuda")
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        eager = hf.generate(ids, **kw)
+        static = [hf.generate(ids, cache_implementation="static", **kw) for _ in range(3)]  # warm-up, record, replay
+    assert hasattr(hf, "_compiled_call")
+    for run in static:
+        assert torch.equal(run.sequences, eager.sequences)
+        for a, b in zip(run.logits, eager.logits):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -66,6 +66,13 @@ class EschaHfQuantizer(HfQuantizer):
         return True
 
     @property
+    def is_compileable(self) -> bool:
+        """Always True: ``escha.matmul`` is a custom op with a fake implementation that CUDA graphs
+        capture, so transformers may compile the decode step, as it does for
+        ``generate(..., cache_implementation="static")``."""
+        return True
+
+    @property
     def is_trainable(self) -> bool:
         """Always False: transformers does not train the loaded model (its quantized weights are buffers)."""
         return False
