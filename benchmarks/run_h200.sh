@@ -156,8 +156,9 @@
 # PHASE "generate": decode through transformers' own model.generate (benchmarks/bench_generate.py):
 #                  eager (its default), with cache_implementation="static" (transformers compiles the
 #                  step, mode="reduce-overhead") and the hand-captured graph, bf16 and escha, batch 1,
-#                  on GENERATE_LAYERS (default 12) of the Qwen3-14B-shaped model: each compile of the
-#                  40-layer step took minutes. First the GPU test of the static form (test_hf.py).
+#                  on GENERATE_LAYERS (default 12) of the Qwen3-14B-shaped model (GENERATE_BATCHES,
+#                  GENERATE_FORMS, GENERATE_SECONDS likewise). First the GPU test of the static form
+#                  (test_hf.py; GENERATE_TEST=0 skips it).
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
@@ -461,9 +462,12 @@ case "$phase" in
       --batches 1 --out "$out/e2e_compile_h200.json"
     ;;
   generate)
-    step generate_test 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_hf.py
-    step generate 420 python benchmarks/bench_generate.py --device cuda --layers "${GENERATE_LAYERS:-12}" \
-      --batches 1 --out "$out/generate.json"
+    if [ "${GENERATE_TEST:-1}" = 1 ]; then
+      step generate_test 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_hf.py
+    fi
+    step generate "${GENERATE_SECONDS:-420}" python benchmarks/bench_generate.py --device cuda \
+      --layers "${GENERATE_LAYERS:-12}" --batches "${GENERATE_BATCHES:-1}" \
+      --forms "${GENERATE_FORMS:-generate,generate-static,graphs}" --out "$out/generate.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \
