@@ -378,6 +378,26 @@ def test_compile_fullgraph(m):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("m", [1, 24, 130, 600])
+def test_graph_trees_as_first_caller(m):
+    """torch.compile(mode="reduce-overhead") (CUDA-graph trees, what transformers' static-cache
+    generate uses) as a weight's first caller: the words escha repacks and the constants and
+    workspaces it keeps are made outside the trees' pool, which refuses tensors that outlive a
+    step; warm-up, recording and replays give the eager call's bits. The shape is one no other
+    test uses, so the caches are cold."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    qw = random_qweight(1152 + 128 * (m % 5), 2432, 2, seed=40 + m, device="cuda")
+    x = torch.randn(m, 2432, device="cuda", dtype=torch.bfloat16)
+    step = torch.compile(lambda t: escha.matmul(t, qw), mode="reduce-overhead")
+    outs = [step(x).clone() for _ in range(4)]
+    want = escha.matmul(x, qw)
+    assert all(torch.equal(y, want) for y in outs)
+    assert rel(want, x.float() @ dequantize(qw).T) < 0.077
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("path", ["prefill", "dequant-fp8", "dequant-bf16", None])
 def test_cuda_graph_capture(path):
     qw = random_qweight(1024, 2048, 2, seed=4, device="cuda")

@@ -12,11 +12,12 @@ output row scale through ``hadamard_pm1`` and ``row_scale_block``.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import inspect
 import math
 import weakref
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import triton
@@ -26,6 +27,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..format.hadamard import sylvester_pm1
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
+
+T = TypeVar("T")
 
 
 @triton.jit
@@ -235,6 +238,39 @@ def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None,
     return Prepared(compiled, grid, values, tuple(names.index(n) for n in slots))
 
 
+# -- Memory that outlives a call ----------------------------------------------------------------
+@functools.cache
+def _allocating_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="escha-kept")
+
+
+def kept(device: torch.device, make: Callable[[], T]) -> T:
+    """``make()`` for what escha keeps beyond the call (caches: repacked words, constants,
+    workspaces), with its memory from the process's allocator on CUDA devices.
+
+    A caller may route this thread's allocations into a private pool: CUDA-graph trees
+    (``torch.compile(mode="reduce-overhead")``, which transformers uses for
+    ``generate(cache_implementation="static")``) run a compiled step's first calls so, and refuse
+    to go on when tensors made there outlive the step. The pool routing is per thread, so ``make``
+    runs on a thread of escha's own, ordered after the caller's stream and before its next work.
+    Inside a CUDA-graph capture the caller decides instead (``_cached``): no other thread may
+    touch the device then.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    caller = torch.cuda.current_stream(device)
+
+    def run() -> T:
+        with torch.cuda.device(device):
+            side = torch.cuda.current_stream(device)
+            side.wait_stream(caller)  # what the caller wrote (the weight) is there before make reads it
+            value = make()
+            caller.wait_stream(side)  # and the caller's next work sees what make wrote
+            return value
+
+    return _allocating_thread().submit(run).result()
+
+
 # -- Workspace cache ----------------------------------------------------------------------------
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
 
@@ -250,7 +286,7 @@ def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) 
     key = (str(device), stream, dtype, tuple(shape))
     buf = _WORKSPACE.get(key)
     if buf is None:
-        buf = torch.empty(shape, device=device, dtype=dtype)
+        buf = kept(device, lambda: torch.empty(shape, device=device, dtype=dtype))
         _WORKSPACE[key] = buf
     return buf
 
@@ -285,7 +321,7 @@ def _cached(cache: dict, key: tuple, device: torch.device, make: Callable[[], to
     replays (the graph holds its address, not the tensor)."""
     v = cache.get(key)
     if v is None:
-        v = make()
+        v = kept(device, make)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             _CAPTURED.append(v)
         else:

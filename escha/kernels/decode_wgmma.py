@@ -57,7 +57,7 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
-                     device_constant, interpreted, output_tensor, prepare)
+                     device_constant, interpreted, kept, output_tensor, prepare)
 from .transforms import input_columns, prepare_input, prepare_output
 from .triton_compat import smem_reinterpret, tma_async_load
 
@@ -139,7 +139,7 @@ def _packed(qw: QuantizedWeight) -> _Packed:
     key = id(qw.trellis)
     entry = _PACKED.get(key)
     if entry is None:
-        entry = _Packed(pack_words(qw))
+        entry = _Packed(kept(qw.device, lambda: pack_words(qw)))
         _PACKED[key] = entry
         weakref.finalize(qw.trellis, _PACKED.pop, key, None)
     return entry
