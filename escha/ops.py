@@ -449,8 +449,10 @@ _decode_core_op.register_fake(_decode_core_fake)
 # W_hat (results/h100_9ff1615/backward/). Those 32 ms were 136 runs of one 128-row block, about
 # 0.24 ms each, where the dequant kernel decodes all 136 blocks in under 0.1 ms (docs/KERNELS.md):
 # mostly host work, by that arithmetic. So on a GPU a run is 2^24 weights (gate_up in 6 runs; T
-# in fp16 and its fp32 copy about 100 MB at most), fewer launches for the same GPU work; not yet
-# timed (run_h200.sh backward times 2^20 to 2^26).
+# in fp16 and its fp32 copy about 100 MB at most), fewer launches for the same GPU work. Timed on
+# an H100 (results/h100_5550e90/backward/, 16 tokens): gate_up 3.0 ms and 97 MiB at 2^24, against
+# 30.8 ms (2^20), 6.3 ms (2^22) and 1.4 ms at 387 MiB (2^26); 4096 x 4096 1.9 ms at 97 MiB (5.6 ms
+# at 2^20). 2^26 halves the time again for four times the memory: 2^24 stays.
 BACKWARD_RUN_WEIGHTS = {"cpu": 1 << 20, "cuda": 1 << 24}  # padded weights a decoded run at most, by device
 
 
