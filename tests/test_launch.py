@@ -113,3 +113,65 @@ def test_dequantize_once_plans_are_bit_for_bit_the_first_call(op_name):
         assert len(plans) == before + 1, label
         plans.clear()
         assert torch.equal(op(x, qw), first), label
+
+
+# -- what a kept launch holds (CPU: Prepared over a recording stand-in for a compiled kernel) --------
+class _Recorder:
+    """Stands in for a compiled kernel: ``rec[grid](*args)`` records its arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append((grid, args))
+
+
+def test_prepared_holds_weak_arguments_by_reference_only():
+    import weakref
+    from escha.kernels.common import Prepared
+    rec, t, per_call = _Recorder(), torch.zeros(4), torch.ones(2)
+    p = Prepared(rec, (2,), [t, per_call, 3], slots=(1,), weak=(0,))
+    assert p.values[1] is None  # the per-call tensor is not kept
+    new = torch.ones(3)
+    p.run(new)
+    assert rec.calls[-1][0] == (2, 1, 1) and rec.calls[-1][1][0] is t and rec.calls[-1][1][1] is new
+    ref = weakref.ref(t)
+    del t
+    rec.calls.clear()  # the record of the launch holds its arguments
+    assert ref() is None  # the plan kept nothing alive
+    with pytest.raises(RuntimeError, match="outlived"):
+        p.run(new)
+
+
+def test_weight_plans_go_with_the_trellis():
+    """A plan kept per weight that holds its trellis weakly (as the dequantize-once paths' do)
+    lets the weight die, and its plans with it; held strongly, neither would ever die."""
+    import gc
+    import weakref
+    from escha.format import random_qweight
+    from escha.kernels import common
+    from escha.kernels.common import Prepared, weight_plans
+    for weak, freed in (((0,), True), ((), False)):
+        qw = random_qweight(128, 128, 2, seed=1)
+        key, ref = id(qw.trellis), weakref.ref(qw.trellis)
+        weight_plans(qw)["plan"] = Prepared(_Recorder(), (1,), [qw.trellis, None], slots=(1,), weak=weak)
+        del qw
+        gc.collect()
+        assert (ref() is None) == freed and (key not in common._WEIGHT_PLANS) == freed
+        common._WEIGHT_PLANS.pop(key, None)  # the strongly held case leaks by design: clean up
+
+
+def test_prepare_checks_its_parameter_names_first():
+    """A slot or weak name the kernel lacks fails before the launch, on every device; the names
+    the dequantize-once paths keep exist."""
+    from escha.kernels.common import _signature
+    from escha.kernels.dequant import _dequant_kernel
+    from escha.kernels.dequant_once import dequant_hn_kernel
+    x, y = torch.zeros(4), torch.full((4,), -1.0)
+    for bad in (dict(slots=("x_ptr", "z_ptr")), dict(slots=("x_ptr",), weak=("w_ptr",))):
+        with pytest.raises(ValueError, match="has no parameter"):
+            prepare(_axpb_kernel, (1,), x, y, 4, 2.0, BLOCK=4, **bad)
+        assert (y == -1).all()  # nothing launched
+    names = {k: [n for n, _ in _signature(k)] for k in (_dequant_kernel, dequant_hn_kernel)}
+    assert {"tr_ptr", "out_ptr"} <= set(names[_dequant_kernel])
+    assert {"tr_ptr", "w_ptr", "wscale_ptr"} <= set(names[dequant_hn_kernel])

@@ -173,11 +173,12 @@ _NO_DEFAULT = object()
 
 
 def _signature(kernel) -> tuple[tuple[str, object], ...]:
-    """(name, default) for each parameter of a JIT kernel, in order."""
+    """(name, default) for each parameter of a JIT kernel, in order (interpreted ones too)."""
     sig = _SIGNATURES.get(kernel)
     if sig is None:
+        params = kernel.params if hasattr(kernel, "params") else inspect.signature(kernel.fn).parameters.values()
         sig = tuple((p.name, _NO_DEFAULT if p.default is inspect.Parameter.empty else p.default)
-                    for p in kernel.params)
+                    for p in params)
         _SIGNATURES[kernel] = sig
     return sig
 
@@ -188,19 +189,27 @@ class Prepared:
 
     The caller owns the promise that the replaced arguments specialize as the first ones did
     (same dtypes, 16-byte alignment, and for ints the same value class): ops key their plans on
-    everything else (decode_wgmma._launch).
+    everything else (decode_wgmma._launch). The arguments at ``weak`` are held by weak reference:
+    a plan kept per weight (``weight_plans``) must not keep alive the tensor its weight's plans
+    are dropped with.
     """
 
-    __slots__ = ("compiled", "grid", "values", "slots")
+    __slots__ = ("compiled", "grid", "values", "slots", "weak")
 
-    def __init__(self, compiled, grid: tuple[int, ...], values: list, slots: tuple[int, ...]) -> None:
-        self.values = tuple(None if i in slots else v for i, v in enumerate(values))  # holds no per-call tensor
-        self.compiled, self.slots = compiled, slots
+    def __init__(self, compiled, grid: tuple[int, ...], values: list, slots: tuple[int, ...],
+                 weak: tuple[int, ...] = ()) -> None:
+        # Holds no per-call tensor, and the weak ones by reference only.
+        self.values = tuple(None if i in slots else weakref.ref(v) if i in weak else v for i, v in enumerate(values))
+        self.compiled, self.slots, self.weak = compiled, slots, weak
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
 
     def run(self, *changed) -> None:
         """Launch the compiled kernel again with ``changed`` in place of the arguments at ``slots``, in order."""
         values = list(self.values)
+        for i in self.weak:
+            values[i] = values[i]()
+            if values[i] is None:
+                raise RuntimeError("a prepared launch outlived the tensor it holds weakly: its plans go with that tensor")
         for i, v in zip(self.slots, changed):
             values[i] = v
         self.compiled[self.grid](*values)
@@ -211,7 +220,9 @@ _WEIGHT_PLANS: dict[int, dict] = {}
 
 def weight_plans(qw: QuantizedWeight) -> dict:
     """A dict kept per weight while its trellis tensor lives, where ops keep their prepared
-    launches by key (the dequantize-once paths; decode_wgmma keeps its own beside its words)."""
+    launches by key (the dequantize-once paths; decode_wgmma keeps its own beside its words).
+    A launch kept here holds the trellis weakly (``prepare``'s ``weak``): held strongly, the
+    trellis would never die, and neither would the dict, the weight or its memory."""
     key = id(qw.trellis)
     plans = _WEIGHT_PLANS.get(key)
     if plans is None:
@@ -220,11 +231,18 @@ def weight_plans(qw: QuantizedWeight) -> dict:
     return plans
 
 
-def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None, **kwargs) -> Prepared | None:
+def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None, weak: tuple[str, ...] = (),
+            **kwargs) -> Prepared | None:
     """``kernel[grid](*args, **kwargs)`` (Triton's own launch), returning a ``Prepared`` whose
-    ``run`` takes new values for the parameters named in ``slots``, in that order; None where
-    the caller keeps nothing (``slots`` None) or there is no compiled kernel to keep (the
-    interpreter; the offline compile check, whose tensors are on the CPU)."""
+    ``run`` takes new values for the parameters named in ``slots``, in that order, and holds the
+    tensors of the parameters named in ``weak`` by weak reference; None where the caller keeps
+    nothing (``slots`` None) or there is no compiled kernel to keep (the interpreter; the offline
+    compile check, whose tensors are on the CPU). Names a kernel does not have raise ValueError,
+    before the launch and on every device."""
+    if slots is not None:
+        names = [name for name, _ in _signature(kernel)]
+        if unknown := [n for n in (*slots, *weak) if n not in names]:
+            raise ValueError(f"{getattr(kernel, '__name__', kernel)} has no parameter {unknown[0]!r}")
     compiled = kernel[grid](*args, **kwargs)
     if slots is None or _INTERPRETED or compiled is None:
         return None
@@ -235,7 +253,7 @@ def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None,
     names = [name for name, _ in sig]
     if not any(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
         return None
-    return Prepared(compiled, grid, values, tuple(names.index(n) for n in slots))
+    return Prepared(compiled, grid, values, tuple(names.index(n) for n in slots), tuple(names.index(n) for n in weak))
 
 
 # -- Memory that outlives a call ----------------------------------------------------------------

@@ -99,4 +99,5 @@ def prepare_dequantize_core(qw: QuantizedWeight, dtype: torch.dtype, cfg: Dequan
     args = (qw.trellis, out, kt, out.stride(0))
     settings = dict(SCALE=scale, BITS=qw.bits, BN=cfg.block_n, BKT=cfg.block_kt, USE_PTX=cfg.codec == CodecPath.PTX,
                     num_warps=cfg.num_warps)
-    return out, 1.0 / scale, prepare(_dequant_kernel, grid, *args, slots=("out_ptr",) if keep else None, **settings)
+    return out, 1.0 / scale, prepare(_dequant_kernel, grid, *args, slots=("out_ptr",) if keep else None,
+                                       weak=("tr_ptr",), **settings)

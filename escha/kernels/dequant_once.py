@@ -134,7 +134,7 @@ def _dequant_hn(qw: QuantizedWeight, fp8: bool, cfg: DequantOnceConfig,
     settings = dict(KT=kp // TILE, BITS=qw.bits, BK=cfg.block_k, K_PER_PROG=kpp, OUT_FP8=fp8, DOT_DTYPE=ddt,
                     USE_PTX=cfg.codec == CodecPath.PTX, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return w, ws, prepare(dequant_hn_kernel, grid, *args, slots=("w_ptr", "wscale_ptr") if keep else None,
-                          **settings)
+                          weak=("tr_ptr",), **settings)
 
 
 def scaled_mm_rowwise(a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor,
