@@ -16,6 +16,7 @@ import concurrent.futures
 import functools
 import inspect
 import math
+import threading
 import weakref
 from typing import Callable, TypeVar
 
@@ -257,9 +258,12 @@ def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None,
 
 
 # -- Memory that outlives a call ----------------------------------------------------------------
+_KEPT_THREAD = "escha-kept"
+
+
 @functools.cache
 def _allocating_thread() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="escha-kept")
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_KEPT_THREAD)
 
 
 def kept(device: torch.device, make: Callable[[], T]) -> T:
@@ -274,7 +278,8 @@ def kept(device: torch.device, make: Callable[[], T]) -> T:
     Inside a CUDA-graph capture the caller decides instead (``_cached``): no other thread may
     touch the device then.
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if (device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+            or threading.current_thread().name.startswith(_KEPT_THREAD)):  # already there: a make inside a make
         return make()
     caller = torch.cuda.current_stream(device)
 
@@ -284,6 +289,8 @@ def kept(device: torch.device, make: Callable[[], T]) -> T:
             side.wait_stream(caller)  # what the caller wrote (the weight) is there before make reads it
             value = make()
             caller.wait_stream(side)  # and the caller's next work sees what make wrote
+            if isinstance(value, torch.Tensor):
+                value.record_stream(caller)  # freed one day: not before the caller's work on it ends
             return value
 
     return _allocating_thread().submit(run).result()
