@@ -9,7 +9,8 @@ Three ways to decode the same greedy tokens, each timed on the same model in one
   compiles the decode step itself (``torch.compile(mode="reduce-overhead")``: CUDA graphs);
 * ``graphs``: bench_e2e.py's loop, one step captured by hand as a CUDA graph (the ceiling).
 
-A generate call's time per token leaves out its prompt: a stopping criterion synchronizes and
+Greedy with no end-of-sequence token, every call makes ``--new-tokens`` tokens. A generate
+call's time per token leaves out its prompt: a stopping criterion synchronizes and
 reads the clock once, after ``--skip`` tokens, and the call's end is read after it returns:
 (end - mark) / (new tokens - skip). The first generate call of each form is a warm-up (for the
 static form, the compile); its seconds are recorded as ``first_call_s``.
@@ -60,7 +61,7 @@ def generate_once(model, ids: torch.Tensor, form: str, args, device: torch.devic
     bench_e2e.sync(device)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                              do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **extra)
     bench_e2e.sync(device)
     end = time.perf_counter()
@@ -70,8 +71,11 @@ def generate_once(model, ids: torch.Tensor, form: str, args, device: torch.devic
 
 
 def measure_generate(model, batch: int, form: str, args, device: torch.device) -> dict:
+    import torch._dynamo
     ids = bench_e2e.prompt_ids(model, args.prompt, device).expand(batch, -1).contiguous()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     first_s, _, _ = generate_once(model, ids, form, args, device)  # warm-up; the compile for the static form
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # this form traced a graph
     per_token, tokens = [], None
     for _ in range(args.repeats):
         _, s, tokens = generate_once(model, ids, form, args, device)
@@ -80,7 +84,7 @@ def measure_generate(model, batch: int, form: str, args, device: torch.device) -
     return {"form": form, "batch": batch, "new_tokens": args.new_tokens, "skip": args.skip, "prompt": args.prompt,
             "first_call_s": first_s, "seconds_per_token": per_token, "ms_per_step": 1e3 * best,
             "tokens_per_s": batch / best, "median_ms_per_step": 1e3 * statistics.median(per_token),
-            "compiled": hasattr(model, "_compiled_call"), "tokens": tokens}
+            "compiled": compiled, "tokens": tokens}
 
 
 def measure_graphs(model, batch: int, args, device: torch.device) -> dict:
@@ -109,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--forms", default=None, help=f"comma-separated, of {', '.join(FORMS)} "
                                                   "(default: all on CUDA, generate on CPU)")
     ap.add_argument("--skip", type=int, default=8, help="tokens each timed generate call makes before its clock starts")
-    ap = bench_e2e.common_arguments(ap, "bf16,escha")
+    ap = bench_e2e.common_arguments(ap, "bf16,escha")  # its --prefill and --graphs do not apply here
     ap.set_defaults(batches="1", new_tokens=136, repeats=3)
     return ap
 

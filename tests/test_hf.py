@@ -86,7 +86,10 @@ def test_static_cache_generate_compiles(quantized):
     """transformers compiles the decode step of ``generate(..., cache_implementation="static")``
     for an escha model loaded by from_pretrained (on accelerators by default; here on the CPU by
     its CompileConfig's switch), and the compiled steps give the eager steps' tokens."""
+    import torch._dynamo
     from transformers import CompileConfig
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     hf = transformers.AutoModelForCausalLM.from_pretrained(quantized).eval()
     assert hf.hf_quantizer.is_compileable
     config = CompileConfig()
@@ -94,7 +97,8 @@ def test_static_cache_generate_compiles(quantized):
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         static = hf.generate(PROMPT, cache_implementation="static", compile_config=config, **kw)
-        assert hasattr(hf, "_compiled_call")  # the decode steps ran compiled
+        assert hasattr(hf, "_compiled_call")  # the decode steps ran compiled:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # traced into a graph
         eager = hf.generate(PROMPT, **kw)
     assert torch.equal(static.sequences, eager.sequences)
     for a, b in zip(static.logits, eager.logits):

@@ -168,10 +168,35 @@ def test_prepare_checks_its_parameter_names_first():
     from escha.kernels.dequant import _dequant_kernel
     from escha.kernels.dequant_once import dequant_hn_kernel
     x, y = torch.zeros(4), torch.full((4,), -1.0)
-    for bad in (dict(slots=("x_ptr", "z_ptr")), dict(slots=("x_ptr",), weak=("w_ptr",))):
-        with pytest.raises(ValueError, match="has no parameter"):
+    for bad, match in ((dict(slots=("x_ptr", "z_ptr")), "has no parameter"),
+                       (dict(slots=("x_ptr",), weak=("w_ptr",)), "has no parameter"),
+                       (dict(slots=None, weak=("w_ptr",)), "has no parameter"),
+                       (dict(slots=("x_ptr",), weak=("x_ptr",)), "both a slot")):
+        with pytest.raises(ValueError, match=match):
             prepare(_axpb_kernel, (1,), x, y, 4, 2.0, BLOCK=4, **bad)
         assert (y == -1).all()  # nothing launched
     names = {k: [n for n, _ in _signature(k)] for k in (_dequant_kernel, dequant_hn_kernel)}
     assert {"tr_ptr", "out_ptr"} <= set(names[_dequant_kernel])
     assert {"tr_ptr", "w_ptr", "wscale_ptr"} <= set(names[dequant_hn_kernel])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["dequant-core-fp8", "dequant-fp8", "dequant-bf16"])
+def test_a_weight_with_kept_plans_is_freed(path):
+    """The dequantize-once paths keep their launches per weight; once the weight is gone, its
+    trellis is freed and its plans dropped (the scratch fillers hold the trellis weakly)."""
+    import gc
+    import weakref
+    import escha
+    from escha.format import random_qweight
+    from escha.kernels import common
+    qw = random_qweight(384, 640, 2, seed=7, device="cuda")
+    x = torch.randn(600, 640, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # the first call keeps the plans, the second runs them
+        escha.matmul(x, qw, path=path)
+    key, ref = id(qw.trellis), weakref.ref(qw.trellis)
+    assert common._WEIGHT_PLANS.get(key)  # plans were kept
+    del qw
+    gc.collect()
+    assert ref() is None and key not in common._WEIGHT_PLANS

@@ -240,10 +240,12 @@ def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None,
     nothing (``slots`` None) or there is no compiled kernel to keep (the interpreter; the offline
     compile check, whose tensors are on the CPU). Names a kernel does not have raise ValueError,
     before the launch and on every device."""
-    if slots is not None:
+    if slots is not None or weak:
         names = [name for name, _ in _signature(kernel)]
-        if unknown := [n for n in (*slots, *weak) if n not in names]:
+        if unknown := [n for n in (*(slots or ()), *weak) if n not in names]:
             raise ValueError(f"{getattr(kernel, '__name__', kernel)} has no parameter {unknown[0]!r}")
+        if both := set(slots or ()) & set(weak):
+            raise ValueError(f"{sorted(both)[0]!r} is both a slot (a new value a run) and held weakly: pick one")
     compiled = kernel[grid](*args, **kwargs)
     if slots is None or _INTERPRETED or compiled is None:
         return None
@@ -281,6 +283,7 @@ def kept(device: torch.device, make: Callable[[], T]) -> T:
     if (device.type != "cuda" or torch.cuda.is_current_stream_capturing()
             or threading.current_thread().name.startswith(_KEPT_THREAD)):  # already there: a make inside a make
         return make()
+    device = cuda_device(device)  # the caller's current device, not the worker's
     caller = torch.cuda.current_stream(device)
 
     def run() -> T:
@@ -293,7 +296,19 @@ def kept(device: torch.device, make: Callable[[], T]) -> T:
                 value.record_stream(caller)  # freed one day: not before the caller's work on it ends
             return value
 
-    return _allocating_thread().submit(run).result()
+    try:
+        future = _allocating_thread().submit(run)
+    except RuntimeError:  # the interpreter is shutting down and took the worker with it
+        return make()
+    return future.result()
+
+
+def cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare "cuda" is the current device (cache keys and other
+    threads need the index)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 # -- Workspace cache ----------------------------------------------------------------------------
@@ -307,6 +322,7 @@ def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) 
     call is overwritten by the next call of the same key, so callers never return it. Keying on
     the stream keeps two streams from racing on one buffer.
     """
+    device = cuda_device(device)  # "cuda" and "cuda:0" are one buffer
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream, dtype, tuple(shape))
     buf = _WORKSPACE.get(key)
