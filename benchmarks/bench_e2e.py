@@ -8,7 +8,9 @@ not depend on the values). Embeddings, norms and lm_head are bf16 in both arms.
 Decoding runs greedy with a StaticCache; each token step is captured once as a CUDA graph
 (``--graphs manual``, default), or compiled with torch.compile(mode="reduce-overhead")
 (``--graphs compile``), or run eagerly (``--graphs none``, the only choice on CPU). If capture
-fails the script falls back (manual -> compile -> none) and records what ran.
+fails the script falls back (manual -> compile -> none) and records what ran. Decoding through
+transformers' own ``generate`` (eager, and with a static cache, which transformers compiles) is
+``bench_generate.py``'s.
 
     python benchmarks/bench_e2e.py --device cuda --out benchmarks/results/e2e_h200.json
     python benchmarks/bench_e2e.py --tiny --device cpu --new-tokens 4   # CPU smoke test

@@ -152,7 +152,8 @@
 #                  paths; then each of its three kernels timed alone (breakdown.py).
 # PHASE "compile": bf16 and escha end to end under torch.compile(mode="reduce-overhead"), batch 1:
 #                  compiling the 40-layer model twice (two batch sizes) for bf16 alone took over
-#                  220 s, so it has a call of its own and one batch size.
+#                  220 s, so it has a call of its own and one batch size. The compiled route users
+#                  take, transformers' generate with a static cache, is the "generate" phase's.
 # PHASE "generate": decode through transformers' own model.generate (benchmarks/bench_generate.py):
 #                  eager (its default), with cache_implementation="static" (transformers compiles the
 #                  step, mode="reduce-overhead") and the hand-captured graph, bf16 and escha, batch 1,
