@@ -87,6 +87,24 @@ def measure_generate(model, batch: int, form: str, args, device: torch.device) -
             "compiled": compiled, "tokens": tokens}
 
 
+def profile_generate(model, batch: int, form: str, args, device: torch.device, top: int = 12) -> dict:
+    """One more generate call of ``form`` under the torch profiler: its GPU kernels' summed
+    durations against the call's wall time (a step whose kernels take less than its wall time
+    waits on the host), and the CPU operators with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = bench_e2e.prompt_ids(model, args.prompt, device).expand(batch, -1).contiguous()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall, _, _ = generate_once(model, ids, form, args, device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.time_range.elapsed_us() for e in kernels)
+    cpu = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
+    return {"wall_ms_under_profiler": 1e3 * wall, "gpu_kernel_ms": gpu_us / 1e3, "kernels": len(kernels),
+            "gpu_kernel_ms_per_token": gpu_us / 1e3 / args.new_tokens,
+            "top_cpu_self_ms": {a.key: a.self_cpu_time_total / 1e3 for a in cpu},
+            "note": "one generate call (prompt included) under torch.profiler; kernel times are GPU durations"}
+
+
 def measure_graphs(model, batch: int, args, device: torch.device) -> dict:
     """bench_e2e.py's hand-captured graph over the same prompt length and token count."""
     times, first = bench_e2e.decode_times(model, batch, args, device, "manual")
@@ -113,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--forms", default=None, help=f"comma-separated, of {', '.join(FORMS)} "
                                                   "(default: all on CUDA, generate on CPU)")
     ap.add_argument("--skip", type=int, default=8, help="tokens each timed generate call makes before its clock starts")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each generate form, one more call under the torch profiler (GPU kernel "
+                         "time a token against the measured step: what of a step is host work)")
     ap = bench_e2e.common_arguments(ap, "bf16,escha")  # its --prefill and --graphs do not apply here
     ap.set_defaults(batches="1", new_tokens=136, repeats=3)
     return ap
@@ -149,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{arm:6s} batch {b} {form}: FAILED {row['error']}", flush=True)
                     rows.append(row)
                     continue
+                if args.profile and form != "graphs":
+                    row["profile"] = profile_generate(model, b, form, args, device)
+                    print(f"{arm:6s} batch {b} {form:16s}: profiled, {row['profile']['gpu_kernel_ms_per_token']:.2f} ms "
+                          f"of GPU kernels a token", flush=True)
                 rows.append(row)
                 print(f"{arm:6s} batch {b} {form:16s}: {row['tokens_per_s']:8.1f} tok/s "
                       f"({row['ms_per_step']:.2f} ms/step"

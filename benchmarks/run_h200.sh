@@ -158,8 +158,9 @@
 #                  eager (its default), with cache_implementation="static" (transformers compiles the
 #                  step, mode="reduce-overhead") and the hand-captured graph, bf16 and escha, batch 1,
 #                  on GENERATE_LAYERS (default 12) of the Qwen3-14B-shaped model (GENERATE_BATCHES,
-#                  GENERATE_FORMS, GENERATE_SECONDS likewise). First the GPU test of the static form
-#                  (test_hf.py; GENERATE_TEST=0 skips it).
+#                  GENERATE_FORMS, GENERATE_SECONDS likewise; GENERATE_PROFILE=1 profiles one more
+#                  call of each form). First the GPU test of the static form (test_hf.py;
+#                  GENERATE_TEST=0 skips it).
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
@@ -468,7 +469,8 @@ case "$phase" in
     fi
     step generate "${GENERATE_SECONDS:-420}" python benchmarks/bench_generate.py --device cuda \
       --layers "${GENERATE_LAYERS:-12}" --batches "${GENERATE_BATCHES:-1}" \
-      --forms "${GENERATE_FORMS:-generate,generate-static,graphs}" --out "$out/generate.json"
+      --forms "${GENERATE_FORMS:-generate,generate-static,graphs}" ${GENERATE_PROFILE:+--profile} \
+      --out "$out/generate.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \

@@ -628,9 +628,13 @@ def test_generate_bench_times_tokens_after_its_mark(tmp_path):
     for arm in ("bf16", "escha"):
         (row,) = res["arms"][arm]["rows"]
         assert row["form"] == "generate" and row["tokens_per_s"] > 0 and not row["compiled"]
-        assert len(row["tokens"]) == 3 and len(row["seconds_per_token"]) == 1
+        assert len(row["tokens"]) == 3 and len(row["seconds_per_token"]) == 1 and "profile" not in row
     assert res["escha_over_bf16"]["generate"]["1"] > 0 and res["layers"] == 2
     assert gen.agreement([1, 2, 3], [1, 2, 4]) == 2 and gen.agreement([], [1]) == 0
+    assert gen.main(["--tiny", "--device", "cpu", "--new-tokens", "3", "--skip", "1", "--repeats", "1",
+                     "--arms", "bf16", "--profile", "--out", str(out)]) == 0  # the profiled call, on the fast arm
+    (row,) = json.loads(out.read_text())["arms"]["bf16"]["rows"]
+    assert row["profile"]["wall_ms_under_profiler"] > 0 and row["profile"]["top_cpu_self_ms"]
     for bad in (["--skip", "5"], ["--skip", "0"], ["--forms", "graphs"], ["--forms", "eager"]):
         with pytest.raises(SystemExit):
             gen.main(["--tiny", "--device", "cpu", "--new-tokens", "5", *bad])
