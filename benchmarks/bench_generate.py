@@ -70,9 +70,14 @@ def generate_once(model, ids: torch.Tensor, form: str, args, device: torch.devic
     return end - start, (end - clock.mark) / (args.new_tokens - args.skip), out[0, ids.shape[1]:].tolist()
 
 
+def batch_prompt(model, batch: int, args, device: torch.device) -> torch.Tensor:
+    """bench_e2e.py's fixed random prompt of ``--prompt`` tokens, once a row of the batch."""
+    return bench_e2e.prompt_ids(model, args.prompt, device).expand(batch, -1).contiguous()
+
+
 def measure_generate(model, batch: int, form: str, args, device: torch.device) -> dict:
     import torch._dynamo
-    ids = bench_e2e.prompt_ids(model, args.prompt, device).expand(batch, -1).contiguous()
+    ids = batch_prompt(model, batch, args, device)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     first_s, _, _ = generate_once(model, ids, form, args, device)  # warm-up; the compile for the static form
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # this form traced a graph
@@ -92,7 +97,7 @@ def profile_generate(model, batch: int, form: str, args, device: torch.device, t
     durations against the call's wall time (a step whose kernels take less than its wall time
     waits on the host), and the CPU operators with the most self time."""
     from torch.profiler import ProfilerActivity, profile
-    ids = bench_e2e.prompt_ids(model, args.prompt, device).expand(batch, -1).contiguous()
+    ids = batch_prompt(model, batch, args, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         wall, _, _ = generate_once(model, ids, form, args, device)

@@ -240,20 +240,18 @@ def prepare(kernel, grid: tuple[int, ...], *args, slots: tuple[str, ...] | None,
     nothing (``slots`` None) or there is no compiled kernel to keep (the interpreter; the offline
     compile check, whose tensors are on the CPU). Names a kernel does not have raise ValueError,
     before the launch and on every device."""
-    if slots is not None or weak:
-        names = [name for name, _ in _signature(kernel)]
-        if unknown := [n for n in (*(slots or ()), *weak) if n not in names]:
-            raise ValueError(f"{getattr(kernel, '__name__', kernel)} has no parameter {unknown[0]!r}")
-        if both := set(slots or ()) & set(weak):
-            raise ValueError(f"{sorted(both)[0]!r} is both a slot (a new value a run) and held weakly: pick one")
+    sig = _signature(kernel) if slots is not None or weak else ()  # nothing to check or keep otherwise
+    names = [name for name, _ in sig]
+    if unknown := [n for n in (*(slots or ()), *weak) if n not in names]:
+        raise ValueError(f"{getattr(kernel, '__name__', kernel)} has no parameter {unknown[0]!r}")
+    if both := set(slots or ()) & set(weak):
+        raise ValueError(f"{sorted(both)[0]!r} is both a slot (a new value a run) and held weakly: pick one")
     compiled = kernel[grid](*args, **kwargs)
     if slots is None or _INTERPRETED or compiled is None:
         return None
-    sig = _signature(kernel)
     values = list(args)
     for name, default in sig[len(args):]:
         values.append(kwargs.get(name, default))
-    names = [name for name, _ in sig]
     if not any(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
         return None
     return Prepared(compiled, grid, values, tuple(names.index(n) for n in slots), tuple(names.index(n) for n in weak))
