@@ -207,8 +207,8 @@ def _compiled_ops(fn, *args, fullgraph=True):
 
 def test_group_runs_one_product_under_torch_compile(members):
     """Traced code keeps the grouping: one product in one graph, equal to the eager members'.
-    Moved members (new buffer tensors) run alone in traced code, which cannot restack; the next
-    eager call restacks."""
+    A member whose buffers were replaced runs alone in traced code, which cannot restack, and the
+    others still take their rows of the stack; the next eager call restacks."""
     block = Block(members)
     share_inputs(block)
     set_matmul_path(block, "reference")
@@ -225,10 +225,14 @@ def test_group_runs_one_product_under_torch_compile(members):
     assert block.k.qweight.trellis is block.k._buffers["trellis"]  # k's own weight, rebuilt eagerly
     # (q and v keep the weights the stacking gave them: views of the stack)
     got, counts = _compiled_ops(qkv, x)
-    assert counts == [3]
-    for a, b in zip(got, want):
-        close(a, b)  # alone: other fp32 sums than the stacked product's
+    assert counts == [2]  # the stack for q and v, k alone
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    close(got[1], want[1])  # alone: other fp32 sums than the stacked product's
     assert _matmul_calls(lambda: qkv(x)) == 1  # eager: restacked, one product again
+    block.v.trellis = block.v.trellis.clone()  # an assignment, seen by its count alone
+    got, counts = _compiled_ops(qkv, x)
+    assert counts == [2] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    close(got[2], want[2])
 
 
 def test_compiled_model_keeps_groups_and_folded_head_norms(tmp_path):

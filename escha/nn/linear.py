@@ -67,6 +67,10 @@ class EschaLinear(nn.Module):
             self.register_parameter("bias", None)
         self._cache_key: tuple | None = None
         self._cache: QuantizedWeight | None = None
+        # Counts replacements of the weight's buffers (set_qweight, a move, an assignment): traced
+        # code compares it with the count a SharedInput stacked, an int guard where comparing the
+        # buffers themselves would be five tensor guards (docs/KERNELS.md, "Guards of a compiled step").
+        self._generation = 0
         self._shared = None  # the SharedInput this layer belongs to (escha.nn.shared), if any
         self._shared_index = -1
         # The FoldedNorm whose RMSNorm this layer applies to its input (escha.nn.norms), if any:
@@ -117,8 +121,14 @@ class EschaLinear(nn.Module):
                              f"({self.out_features}, {self.in_features})")
         for name, t in qw.tensors().items():
             self._buffers[name] = t
+        self._generation += 1
         self.bits, self.codebook_id = qw.bits, qw.codebook_id
         self._cache_key, self._cache = self._weight_key(), qw  # qw is the weight over these buffers
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in TENSOR_NAMES:  # a buffer assigned (load_state_dict(assign=True) does it too)
+            self._generation += 1
 
     def _weight_key(self) -> tuple:
         return tuple(id(self._buffers[n]) for n in TENSOR_NAMES) + (self.bits, self.codebook_id)
@@ -128,8 +138,16 @@ class EschaLinear(nn.Module):
     def qweight(self) -> QuantizedWeight:
         """The QuantizedWeight over the current buffers (validated once per buffer change)."""
         bufs = tuple(self._buffers[n] for n in TENSOR_NAMES)
+        if torch.compiler.is_compiling():
+            # Traced code builds the weight from the buffers alone: reading the cache would add a
+            # guard for each buffer's identity and the cache's every field, checked on each call of
+            # the compiled step (docs/KERNELS.md, "Guards of a compiled step"). The buffers were
+            # validated when they were set (set_qweight) or are checked by shape, dtype and device here.
+            return QuantizedWeight.trusted(bufs, (self.out_features, self.in_features), self.bits, self.codebook_id)
         key = self._weight_key()
         if key != self._cache_key or self._cache is None:
+            if key != self._cache_key:
+                self._generation += 1  # a buffer written into _buffers directly, seen here
             self._cache = QuantizedWeight(*bufs, shape=(self.out_features, self.in_features),
                                           bits=self.bits, codebook_id=self.codebook_id)
             self._cache_key = key
@@ -196,6 +214,7 @@ class EschaLinear(nn.Module):
                 else:
                     moved = t.to(target)
                 self._buffers[n] = moved
+            self._generation += 1
         self._cache_key, self._cache = None, None
         return self
 
@@ -239,22 +258,24 @@ class HeadNormCache:
         norms = [m._output_norm for m in layers]
         if torch.compiler.is_compiling():
             # Traced code cannot key on storage: it builds the norm in the graph (a few small ops).
-            return None if all(n is None for n in norms) else _head_norm(layers, norms)
+            return None if all(n is None for n in norms) else head_norm_of([m.out_features for m in layers], norms)
         key = tuple(None if n is None else (id(n.weight), n.weight.data_ptr(), n.weight.dtype, write_count(n.weight))
                     for n in norms)
         if key == self._key:
             return self._value
-        value = None if all(n is None for n in norms) else _head_norm(layers, norms)
+        value = None if all(n is None for n in norms) else head_norm_of([m.out_features for m in layers], norms)
         if not capturing():
             self._key, self._value = key, value
         return value
 
 
-def _head_norm(layers: list, norms: list) -> HeadNorm:
+def head_norm_of(out_features: list[int], norms: list) -> HeadNorm:
+    """The HeadNorm of stacked outputs of these widths (each padded to whole 128-blocks) whose
+    folded per-head norms are ``norms`` (None where a part has none; at least one has one)."""
     ref = next(n for n in norms if n is not None)
     weights, flags = [], []
-    for m, n in zip(layers, norms):
-        blocks = -(-m.out_features // HEAD)
+    for width, n in zip(out_features, norms):
+        blocks = -(-width // HEAD)
         if n is None:
             weights.append(torch.zeros(blocks * HEAD, dtype=ref.weight.dtype, device=ref.weight.device))
             flags.append(torch.zeros(blocks, dtype=torch.int8, device=ref.weight.device))

@@ -105,6 +105,8 @@ def _fold_head_norms(layer: nn.Module) -> int:
         fn = FoldedNorm(norm)
         setattr(block, norm_name, fn)
         object.__setattr__(proj, "_output_norm", fn)
+        if proj._shared is not None:
+            proj._shared.note_norms()
         folded += 1
     return folded
 

@@ -14,7 +14,8 @@ object, unmodified), before every member has taken its rows; a member called wit
 while others still wait means the members do not share their input after all, and the group
 stops sharing for good (each member then runs alone, as an EschaLinear does). Traced code
 (``torch.compile``) keeps the grouping with the stack the last eager call built: it cannot
-restack, so members moved since then run alone there until an eager call restacks them.
+restack, so members whose buffers were replaced since then (a move, an assignment) run alone
+there until an eager call restacks them.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from ..format.qweight import TENSOR_NAMES
 from ..format.shard import ShardError, concat_rows, row_offsets, split_rows
-from .linear import EschaLinear, HeadNormCache, capturing, matmul_with, write_count
+from .linear import EschaLinear, HeadNormCache, capturing, head_norm_of, matmul_with, write_count
 
 
 class SharedInput:
@@ -35,7 +36,8 @@ class SharedInput:
         if len(members) < 2:
             raise ValueError(f"a shared input needs at least two EschaLinears, got {len(members)}")
         self.members = list(members)
-        self.offsets = row_offsets([m.out_features for m in self.members])
+        self.widths = [m.out_features for m in self.members]
+        self.offsets = row_offsets(self.widths)
         self.diverged = False
         self._key: tuple | None = None
         self._merged = None
@@ -44,14 +46,22 @@ class SharedInput:
         self._y: torch.Tensor | None = None
         self._pending: set[int] = set()
         self._head_norms = HeadNormCache()
+        self._settings: tuple | None = None  # (path, precision, input norm) of the traced product
         self._build()  # raises ShardError when the weights were not quantized together
         for i, m in enumerate(self.members):
             m._shared, m._shared_index = self, i
+        self.note_norms()
 
-    def _buffer_key(self, versions: bool = True) -> tuple:
-        # Identity and version of every member buffer: a move (.to) or an in-place load changes it.
-        return tuple((id(t), write_count(t) if versions else None)
-                     for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES))
+    def note_norms(self) -> None:
+        """Record the members' folded per-head norms for traced code (``fold_norms`` calls it)."""
+        self._output_norms = tuple(m._output_norm for m in self.members)
+
+    def _buffer_key(self) -> tuple:
+        # Identity and version of every member buffer (a move or an in-place load changes them),
+        # and the members' replacement counts, which traced code compares.
+        return tuple((id(t), write_count(t))
+                     for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES)) \
+            + tuple(m._generation for m in self.members)
 
     def _build(self) -> None:
         """Stack the members' weights; each member then holds views of the stack."""
@@ -59,7 +69,8 @@ class SharedInput:
         for m, part in zip(self.members, split_rows(merged, [m.out_features for m in self.members])):
             m.set_qweight(part)  # its buffers become views of the stack; part is its weight
         self._merged = merged
-        self._key, self._key_ids = self._buffer_key(), self._buffer_key(versions=False)
+        self._key = self._buffer_key()
+        self._generations = tuple(m._generation for m in self.members)
 
     def merged(self, key: tuple | None = None):
         """The stacked QuantizedWeight, rebuilt if a member's buffers were moved or rewritten
@@ -70,6 +81,8 @@ class SharedInput:
 
     def product(self, member: EschaLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s x @ W^T (no bias) taken from the shared product, or None when it must run alone."""
+        if torch.compiler.is_compiling():
+            return self._traced_product(member, x)
         if self.diverged:
             return None
         settings = {(m.path, m.precision, id(m._input_norm)) for m in self.members}
@@ -82,21 +95,14 @@ class SharedInput:
             self._stop()  # another input while members still wait for this one: no shared input
             return None
         if not same or i not in self._pending:
-            if torch.compiler.is_compiling():
-                # Traced code cannot restack: it takes the stack as the last eager call left it,
-                # while the members still hold the buffers it was built from.
-                if self._buffer_key(versions=False) != self._key_ids:
-                    return None
-                qw = self._merged
-            else:
-                key = self._buffer_key()
-                if key != self._key and capturing():
-                    return None  # restacking copies the weights: never inside a CUDA graph being captured
-                try:
-                    qw = self.merged(key)
-                except ShardError:
-                    self._stop()  # the members' weights were replaced by ones not quantized together
-                    return None
+            key = self._buffer_key()
+            if key != self._key and capturing():
+                return None  # restacking copies the weights: never inside a CUDA graph being captured
+            try:
+                qw = self.merged(key)
+            except ShardError:
+                self._stop()  # the members' weights were replaced by ones not quantized together
+                return None
             self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm,
                                   self._head_norms.get(self.members))
             self._x, self._x_version = x, write_count(x)
@@ -106,6 +112,43 @@ class SharedInput:
         y = self._y[..., off:off + member.out_features]
         if not self._pending:
             self._x, self._y = None, None
+        return y
+
+    def _traced_product(self, member: EschaLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``product`` in traced code (torch.compile). It cannot restack, so it takes the stack as
+        the last eager call left it, for members whose buffers are still the ones stacked (their
+        replacement count unchanged). It reads the calling member and this object only, never the
+        member list: every object traced code reaches by a second route costs one more guard,
+        checked at each call of the compiled step (docs/KERNELS.md, "Guards of a compiled step").
+        A member whose settings differ from those of the product computed for this input runs alone."""
+        if self.diverged:
+            return None
+        i = member._shared_index
+        same = self._y is not None and x is self._x
+        if self._pending and not same:
+            self._stop()
+            return None
+        settings = (member.path, member.precision, member._input_norm)
+        if member._generation != self._generations[i] or (same and settings != self._settings):
+            self._pending.discard(i)  # the member runs alone
+            if not self._pending:
+                self._x, self._y, self._settings = None, None, None
+            return None
+        if not same or i not in self._pending:
+            norms = self._output_norms
+            head_norm = None
+            if any(n is not None for n in norms):
+                if len({n.variance_epsilon for n in norms if n is not None}) > 1:
+                    return None
+                head_norm = head_norm_of(self.widths, list(norms))
+            self._y = matmul_with(x, self._merged, member.path, member.precision, member.input_norm, head_norm)
+            self._x, self._settings = x, settings
+            self._pending = set(range(len(self.widths)))
+        self._pending.discard(i)
+        off = self.offsets[i]
+        y = self._y[..., off:off + member.out_features]
+        if not self._pending:
+            self._x, self._y, self._settings = None, None, None
         return y
 
     def _stop(self) -> None:
