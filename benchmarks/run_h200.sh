@@ -28,6 +28,9 @@
 #                  not multiples of the kernels' token blocks (2-250), one step per seed shape: where
 #                  a TMA box runs past x' (the anomalies at 40 and 72 tokens were that), it shows.
 # PHASE "system2": escha bench's prefill table (all arms, M 512, 2048, 8192), racecheck on a reduced grid.
+# PHASE "compiled-step": benchmarks/probe_compiled_step.py: the host time of transformers' compiled
+#                  static-cache step outside its graph (guards, inputs), and the graph's inputs
+#                  (COMPILED_LAYERS, COMPILED_ARMS).
 # PHASE "llm-stage", then "llm" within 30 s (the machine stays warm): SmolLM2-135M's perplexity with
 #                  the shared-input quantization (benchmarks/bench_llm.py: reference, escha K=2, K=3,
 #                  each with escha quantize's default scale tuning; "-tune0" configurations are untuned).
@@ -164,7 +167,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate, compiled-step or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -471,6 +474,10 @@ case "$phase" in
       --layers "${GENERATE_LAYERS:-12}" --batches "${GENERATE_BATCHES:-1}" \
       --forms "${GENERATE_FORMS:-generate,generate-static,graphs}" ${GENERATE_PROFILE:+--profile} \
       --out "$out/generate.json"
+    ;;
+  compiled-step)
+    step compiled_step "${COMPILED_SECONDS:-300}" python benchmarks/probe_compiled_step.py \
+      --layers "${COMPILED_LAYERS:-12}" --arms "${COMPILED_ARMS:-bf16,escha}" --out "$out/compiled_step.json"
     ;;
   tp)
     step e2e_tp2 1200 python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e_tp.py \

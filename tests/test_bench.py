@@ -640,6 +640,25 @@ def test_generate_bench_times_tokens_after_its_mark(tmp_path):
             gen.main(["--tiny", "--device", "cpu", "--new-tokens", "5", *bad])
 
 
+# -- benchmarks/probe_compiled_step.py -----------------------------------------------------------
+def test_compiled_step_probe_splits_the_step_around_its_graph():
+    """The probe compiles the tiny model's static-cache step on the CPU and times each decode
+    step's call and its graph's call within it: one graph call a step, the host time around it
+    positive, and escha's graph takes more inputs than bf16's (five tensors a weight)."""
+    pytest.importorskip("transformers")
+    import torch._dynamo
+    probe = _script("probe_compiled_step")
+    args = argparse.Namespace(device="cpu", tiny=True, layers=1, new_tokens=4)
+    rows = {}
+    for arm in ("bf16", "escha"):
+        torch._dynamo.reset()
+        rows[arm] = probe.measure(arm, args)
+        assert rows[arm]["steps"] == 3 and rows[arm]["layers"] == 1  # the first token is the eager prompt's
+        assert 0 < rows[arm]["outside_graph_us_min"] <= rows[arm]["outside_graph_us_median"]
+    assert rows["escha"]["graph_inputs"] > rows["bf16"]["graph_inputs"] > 0
+    torch._dynamo.reset()
+
+
 # -- benchmarks/bench_e2e_tp.py -----------------------------------------------------------------
 def test_e2e_tp_ratios_and_arguments():
     """The TP script's ratios and its refusals (the run itself needs torchrun: see its docstring)."""
