@@ -233,6 +233,18 @@ def test_group_runs_one_product_under_torch_compile(members):
     got, counts = _compiled_ops(qkv, x)
     assert counts == [2] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     close(got[2], want[2])
+    assert _matmul_calls(lambda: qkv(x)) == 1
+    block.q.trellis = block.q.trellis.clone()  # the first caller replaced: k and v share, q alone
+    step = torch.compile(qkv, backend="eager", fullgraph=True)
+    for _ in range(2):  # and the group waits for no one after a step, so it keeps sharing
+        got = step(x)
+        close(got[0], want[0])
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert not block.q._shared.diverged and block.q._shared._pending == set()
+    assert _matmul_calls(lambda: qkv(x)) == 1  # eager: restacked
+    block.to(torch.float64)  # a cast moves no weight buffer: the stack stays the members'
+    got, counts = _compiled_ops(qkv, x)
+    assert counts == [1]
 
 
 def test_compiled_model_keeps_groups_and_folded_head_norms(tmp_path):

@@ -67,7 +67,8 @@ class EschaLinear(nn.Module):
             self.register_parameter("bias", None)
         self._cache_key: tuple | None = None
         self._cache: QuantizedWeight | None = None
-        # Counts replacements of the weight's buffers (set_qweight, a move, an assignment): traced
+        # Counts replacements of the weight's buffers (set_qweight, a move, an assignment, or a
+        # buffer written into _buffers and seen by the next eager qweight read): traced
         # code compares it with the count a SharedInput stacked, an int guard where comparing the
         # buffers themselves would be five tensor guards (docs/KERNELS.md, "Guards of a compiled step").
         self._generation = 0
@@ -214,8 +215,9 @@ class EschaLinear(nn.Module):
                 else:
                     moved = t.to(target)
                 self._buffers[n] = moved
-            self._generation += 1
-        self._cache_key, self._cache = None, None
+            if any(self._buffers[n] is not t for n, t in held.items()):  # a cast moves none
+                self._generation += 1
+                self._cache_key, self._cache = None, None
         return self
 
     def extra_repr(self) -> str:

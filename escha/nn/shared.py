@@ -47,13 +47,16 @@ class SharedInput:
         self._pending: set[int] = set()
         self._head_norms = HeadNormCache()
         self._settings: tuple | None = None  # (path, precision, input norm) of the traced product
+        self._alone: set[int] = set()  # members traced code found replaced since the stacking
         self._build()  # raises ShardError when the weights were not quantized together
         for i, m in enumerate(self.members):
             m._shared, m._shared_index = self, i
         self.note_norms()
 
     def note_norms(self) -> None:
-        """Record the members' folded per-head norms for traced code (``fold_norms`` calls it)."""
+        """Record the members' folded per-head norms for traced code, which reads them here
+        rather than through the member list: whatever sets a member's ``_output_norm`` calls it
+        after (``fold_norms`` does)."""
         self._output_norms = tuple(m._output_norm for m in self.members)
 
     def _buffer_key(self) -> tuple:
@@ -69,6 +72,7 @@ class SharedInput:
         for m, part in zip(self.members, split_rows(merged, [m.out_features for m in self.members])):
             m.set_qweight(part)  # its buffers become views of the stack; part is its weight
         self._merged = merged
+        self._alone = set()
         self._key = self._buffer_key()
         self._generations = tuple(m._generation for m in self.members)
 
@@ -129,7 +133,11 @@ class SharedInput:
             self._stop()
             return None
         settings = (member.path, member.precision, member._input_norm)
-        if member._generation != self._generations[i] or (same and settings != self._settings):
+        if member._generation != self._generations[i]:
+            self._alone.add(i)  # replaced: it runs alone, and no product waits for it
+        elif i in self._alone:
+            self._alone.discard(i)
+        if i in self._alone or (same and settings != self._settings):
             self._pending.discard(i)  # the member runs alone
             if not self._pending:
                 self._x, self._y, self._settings = None, None, None
@@ -143,7 +151,7 @@ class SharedInput:
                 head_norm = head_norm_of(self.widths, list(norms))
             self._y = matmul_with(x, self._merged, member.path, member.precision, member.input_norm, head_norm)
             self._x, self._settings = x, settings
-            self._pending = set(range(len(self.widths)))
+            self._pending = set(range(len(self.widths))) - self._alone
         self._pending.discard(i)
         off = self.offsets[i]
         y = self._y[..., off:off + member.out_features]
