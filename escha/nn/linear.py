@@ -1,6 +1,8 @@
 """EschaLinear: a drop-in replacement for torch.nn.Linear holding an Escha W2 weight."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -172,7 +174,7 @@ class EschaLinear(nn.Module):
     @property
     def head_norm(self) -> HeadNorm | None:
         """The per-head RMSNorm this layer applies to its output (``escha.nn.fold_norms``), or None."""
-        return None if self._output_norm is None else self._head_norms.get([self])
+        return None if self._output_norm is None else self._head_norms.get([self.out_features], [self._output_norm])
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W_hat^T through escha.matmul, with this layer's path or precision (and input and head
@@ -255,23 +257,23 @@ class HeadNormCache:
         self._key: tuple | None = None
         self._value: HeadNorm | None = None
 
-    def get(self, layers: list) -> HeadNorm | None:
-        """The HeadNorm of ``layers`` (None when none has a folded norm), kept while the norm weights stay unchanged."""
-        norms = [m._output_norm for m in layers]
+    def get(self, out_features: Sequence[int], norms: Sequence) -> HeadNorm | None:
+        """The HeadNorm of stacked outputs of these widths whose folded norms are ``norms`` (None
+        when none has one), kept while the norm weights stay unchanged."""
         if torch.compiler.is_compiling():
             # Traced code cannot key on storage: it builds the norm in the graph (a few small ops).
-            return None if all(n is None for n in norms) else head_norm_of([m.out_features for m in layers], norms)
+            return None if all(n is None for n in norms) else head_norm_of(out_features, norms)
         key = tuple(None if n is None else (id(n.weight), n.weight.data_ptr(), n.weight.dtype, write_count(n.weight))
                     for n in norms)
         if key == self._key:
             return self._value
-        value = None if all(n is None for n in norms) else head_norm_of([m.out_features for m in layers], norms)
+        value = None if all(n is None for n in norms) else head_norm_of(out_features, norms)
         if not capturing():
             self._key, self._value = key, value
         return value
 
 
-def head_norm_of(out_features: list[int], norms: list) -> HeadNorm:
+def head_norm_of(out_features: Sequence[int], norms: Sequence) -> HeadNorm:
     """The HeadNorm of stacked outputs of these widths (each padded to whole 128-blocks) whose
     folded per-head norms are ``norms`` (None where a part has none; at least one has one)."""
     ref = next(n for n in norms if n is not None)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..format.qweight import TENSOR_NAMES
 from ..format.shard import ShardError, concat_rows, row_offsets, split_rows
-from .linear import EschaLinear, HeadNormCache, capturing, head_norm_of, matmul_with, write_count
+from .linear import EschaLinear, HeadNormCache, capturing, matmul_with, write_count
 
 
 class SharedInput:
@@ -54,10 +54,12 @@ class SharedInput:
         self.note_norms()
 
     def note_norms(self) -> None:
-        """Record the members' folded per-head norms for traced code, which reads them here
-        rather than through the member list: whatever sets a member's ``_output_norm`` calls it
-        after (``fold_norms`` does)."""
+        """Record the members' folded per-head norms, which the product reads here. Eager calls
+        record them afresh; traced code reads them here rather than through the member list, so
+        whatever sets a member's ``_output_norm`` calls it after (``fold_norms`` does). Norms of
+        different epsilons cannot share one output transform."""
         self._output_norms = tuple(m._output_norm for m in self.members)
+        self._norms_agree = len({n.variance_epsilon for n in self._output_norms if n is not None}) <= 1
 
     def _buffer_key(self) -> tuple:
         # Identity and version of every member buffer (a move or an in-place load changes them),
@@ -69,7 +71,7 @@ class SharedInput:
     def _build(self) -> None:
         """Stack the members' weights; each member then holds views of the stack."""
         merged = concat_rows([m.qweight for m in self.members])
-        for m, part in zip(self.members, split_rows(merged, [m.out_features for m in self.members])):
+        for m, part in zip(self.members, split_rows(merged, self.widths)):
             m.set_qweight(part)  # its buffers become views of the stack; part is its weight
         self._merged = merged
         self._alone = set()
@@ -89,9 +91,9 @@ class SharedInput:
             return self._traced_product(member, x)
         if self.diverged:
             return None
+        self.note_norms()  # eager code sees a norm set or cleared without fold_norms too
         settings = {(m.path, m.precision, id(m._input_norm)) for m in self.members}
-        eps = {m._output_norm.variance_epsilon for m in self.members if m._output_norm is not None}
-        if len(settings) != 1 or len(eps) > 1:
+        if len(settings) != 1 or not self._norms_agree:
             return None  # members asked for different paths, precisions or norms
         i = member._shared_index
         same = self._y is not None and x is self._x and write_count(x) == self._x_version
@@ -108,15 +110,10 @@ class SharedInput:
                 self._stop()  # the members' weights were replaced by ones not quantized together
                 return None
             self._y = matmul_with(x, qw, member.path, member.precision, member.input_norm,
-                                  self._head_norms.get(self.members))
+                                  self._head_norms.get(self.widths, self._output_norms))
             self._x, self._x_version = x, write_count(x)
             self._pending = set(range(len(self.members)))
-        self._pending.discard(i)
-        off = self.offsets[i]
-        y = self._y[..., off:off + member.out_features]
-        if not self._pending:
-            self._x, self._y = None, None
-        return y
+        return self._take(i)
 
     def _traced_product(self, member: EschaLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``product`` in traced code (torch.compile). It cannot restack, so it takes the stack as
@@ -134,27 +131,23 @@ class SharedInput:
             return None
         settings = (member.path, member.precision, member._input_norm)
         if member._generation != self._generations[i]:
-            self._alone.add(i)  # replaced: it runs alone, and no product waits for it
-        elif i in self._alone:
-            self._alone.discard(i)
-        if i in self._alone or (same and settings != self._settings):
-            self._pending.discard(i)  # the member runs alone
-            if not self._pending:
-                self._x, self._y, self._settings = None, None, None
+            self._alone.add(i)  # replaced: it runs alone, and no product waits for it (a count only grows)
+        if i in self._alone or (same and settings != self._settings) or not self._norms_agree:
+            self._take(i)  # the member runs alone
             return None
         if not same or i not in self._pending:
-            norms = self._output_norms
-            head_norm = None
-            if any(n is not None for n in norms):
-                if len({n.variance_epsilon for n in norms if n is not None}) > 1:
-                    return None
-                head_norm = head_norm_of(self.widths, list(norms))
-            self._y = matmul_with(x, self._merged, member.path, member.precision, member.input_norm, head_norm)
+            self._y = matmul_with(x, self._merged, member.path, member.precision, member.input_norm,
+                                  self._head_norms.get(self.widths, self._output_norms))
             self._x, self._settings = x, settings
             self._pending = set(range(len(self.widths))) - self._alone
+        return self._take(i)
+
+    def _take(self, i: int) -> torch.Tensor | None:
+        """Member ``i``'s rows of the product (None when none is held); the product is dropped
+        once no member waits for it."""
         self._pending.discard(i)
         off = self.offsets[i]
-        y = self._y[..., off:off + member.out_features]
+        y = None if self._y is None else self._y[..., off:off + self.widths[i]]
         if not self._pending:
             self._x, self._y, self._settings = None, None, None
         return y
