@@ -5,7 +5,9 @@ transformers' ``generate(cache_implementation="static")`` compiles the model's s
 checks the guards Dynamo installed, then hands the graph its inputs (every parameter and buffer
 it reads, one by one), and only then runs the graph. This probe times each decode step's call of
 the compiled step and, inside it, the compiled graph's own call; the difference is the host work
-around the graph, which a CUDA-graph replay does not hide. It also counts the graph's inputs.
+around the graph, which a CUDA-graph replay does not hide. It also counts the graph's inputs and, with
+``--guards``, the guards Dynamo installed on the step, by kind (one tree of checks, walked at each
+call before the graph runs).
 
 One process per arm (a second compile in one process is slower: Dynamo's caches of the first
 stay): the script runs itself once per arm and prints a table; ``--out`` writes JSON.
@@ -16,8 +18,11 @@ stay): the script runs itself once per arm and prints a table; ``--out`` writes 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -29,8 +34,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_e2e  # noqa: E402
 
 
+class _GuardTrees(logging.Handler):
+    """Keeps each guard tree Dynamo logs (its "guards" artifact: one message a compiled frame)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.trees: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.trees.append(record.getMessage())
+
+
+def count_guards(tree: str) -> dict[str, int]:
+    """Guards of one logged tree by kind (``+- TENSOR_MATCH: ...``; the accessors are not counted)."""
+    return dict(collections.Counter(re.findall(r"\+- ([A-Z][A-Z_]+):", tree)).most_common())
+
+
 def measure(arm: str, args) -> dict:
     """Generate twice with a static cache (compile, then measure) and time the second's steps."""
+    import torch._inductor.output_code as output_code
+    from transformers import CompileConfig
+
+    trees = None
+    if getattr(args, "guards", False):
+        trees = _GuardTrees()
+        logger = logging.getLogger("torch._dynamo.guards.__guards")
+        logger.addHandler(trees)
+        torch._logging.set_logs(guards=True)
+        try:
+            return _measure(arm, args, trees)
+        finally:
+            logger.removeHandler(trees)
+            torch._logging.set_logs()
+    return _measure(arm, args, trees)
+
+
+def _measure(arm: str, args, trees: _GuardTrees | None) -> dict:
     import torch._inductor.output_code as output_code
     from transformers import CompileConfig
 
@@ -75,9 +114,16 @@ def measure(arm: str, args) -> dict:
     if len(step_s) != len(graph_s):
         raise RuntimeError(f"{len(step_s)} step calls but {len(graph_s)} graph calls: a graph break splits the step")
     outside = [1e6 * (s - g) for s, g in zip(step_s, graph_s)]
-    return {"arm": arm, "layers": shape["num_hidden_layers"], "steps": len(outside),
-            "outside_graph_us_median": statistics.median(outside), "outside_graph_us_min": min(outside),
-            "graph_call_us_median": 1e6 * statistics.median(graph_s), "graph_inputs": inputs[-1]}
+    row = {"arm": arm, "layers": shape["num_hidden_layers"], "steps": len(outside),
+           "outside_graph_us_median": statistics.median(outside), "outside_graph_us_min": min(outside),
+           "graph_call_us_median": 1e6 * statistics.median(graph_s), "graph_inputs": inputs[-1]}
+    if trees is not None:
+        if not trees.trees:
+            raise RuntimeError("no guard tree was logged")
+        kinds = max((count_guards(t) for t in trees.trees), key=lambda k: sum(k.values()))  # the step's frame
+        row["guards"] = sum(kinds.values())
+        row["guards_by_kind"] = kinds
+    return row
 
 
 def main() -> int:
@@ -87,6 +133,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--arms", default="bf16,escha,escha-unshared")
     ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--guards", action="store_true", help="count the step's guards by kind")
     ap.add_argument("--out", default=None)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: one arm, JSON out
     args = ap.parse_args()
@@ -97,6 +144,7 @@ def main() -> int:
     for arm in args.arms.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--arms", arm, "--device", args.device,
                "--new-tokens", str(args.new_tokens)] + (["--tiny"] if args.tiny else []) \
+            + (["--guards"] if args.guards else []) \
             + ([] if args.layers is None else ["--layers", str(args.layers)])
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -106,7 +154,7 @@ def main() -> int:
         r = rows[-1]
         print(f"{arm:15s} layers {r['layers']:3d}: outside the graph {r['outside_graph_us_median']:8.0f} us a step "
               f"(min {r['outside_graph_us_min']:.0f}), graph call {r['graph_call_us_median']:8.0f} us, "
-              f"{r['graph_inputs']} graph inputs", flush=True)
+              f"{r['graph_inputs']} graph inputs" + (f", {r['guards']} guards" if "guards" in r else ""), flush=True)
     if args.out:
         import platform
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
@@ -644,11 +645,12 @@ def test_generate_bench_times_tokens_after_its_mark(tmp_path):
 def test_compiled_step_probe_splits_the_step_around_its_graph():
     """The probe compiles the tiny model's static-cache step on the CPU and times each decode
     step's call and its graph's call within it: one graph call a step, the host time around it
-    positive, and escha's graph takes more inputs than bf16's (five tensors a weight)."""
+    positive, and escha's graph takes more inputs than bf16's (five tensors a weight), and more
+    guards, a tensor check for each input among them."""
     pytest.importorskip("transformers")
     import torch._dynamo
     probe = _script("probe_compiled_step")
-    args = argparse.Namespace(device="cpu", tiny=True, layers=1, new_tokens=4)
+    args = argparse.Namespace(device="cpu", tiny=True, layers=1, new_tokens=4, guards=True)
     rows = {}
     for arm in ("bf16", "escha"):
         torch._dynamo.reset()
@@ -656,6 +658,11 @@ def test_compiled_step_probe_splits_the_step_around_its_graph():
         assert rows[arm]["steps"] == 3 and rows[arm]["layers"] == 1  # the first token is the eager prompt's
         assert 0 < rows[arm]["outside_graph_us_min"] <= rows[arm]["outside_graph_us_median"]
     assert rows["escha"]["graph_inputs"] > rows["bf16"]["graph_inputs"] > 0
+    for row in rows.values():
+        assert row["guards"] == sum(row["guards_by_kind"].values())
+        assert row["guards_by_kind"]["TENSOR_MATCH"] >= row["graph_inputs"] - 2  # the step's tensors (less its int positions)
+    assert rows["escha"]["guards"] > rows["bf16"]["guards"] > 0
+    assert not logging.getLogger("torch._dynamo.guards.__guards").handlers  # the probe leaves no handler behind
     torch._dynamo.reset()
 
 
