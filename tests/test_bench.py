@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from benchscripts import load as _script
 
 from escha.bench import add_parser, check_args, main, run
 from escha.bench import report, roofline
@@ -391,16 +392,6 @@ def test_escha_arm_against_the_library_on_cpu():
 
 
 # -- benchmarks/fit_dispatch.py ----------------------------------------------------------------
-def _script(name):
-    """A benchmark script, imported from its file (benchmarks/ is not a package)."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_fit_dispatch_minimax_over_shapes(tmp_path):
@@ -670,12 +661,7 @@ def test_compiled_step_probe_splits_the_step_around_its_graph():
 def test_e2e_tp_ratios_and_arguments():
     """The TP script's ratios and its refusals (the run itself needs torchrun: see its docstring)."""
     pytest.importorskip("transformers")
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e_tp.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e_tp", path)
-    tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp)
+    tp = _script("bench_e2e_tp")
 
     def rows(tokens_per_s):
         return {"rows": [{"batch": b, "tokens_per_s": t} for b, t in zip((1, 8), tokens_per_s)]}

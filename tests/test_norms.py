@@ -335,14 +335,8 @@ def test_grouped_and_folded_model_on_the_gpu():
     """A bf16 Qwen3 of two layers with random Escha weights (benchmarks/bench_e2e.py's build): q/k/v
     and gate/up as one product each with their RMSNorms folded in, against the same weights run one
     Linear at a time with the model's norms; one decode step replayed from a CUDA graph equals eager."""
-    import importlib.util
-    import pathlib
-    import sys
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e", path)
-    e2e = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = e2e
-    spec.loader.exec_module(e2e)
+    from benchscripts import load
+    e2e = load("bench_e2e")
     shape = dict(e2e.TINY, hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=128)
     config = e2e.make_config(shape)

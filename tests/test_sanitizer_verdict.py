@@ -3,18 +3,16 @@
 that report changed to hold what must fail."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+
+from benchscripts import load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REAL = ROOT / "benchmarks/results/h100_9ff1615/gpu_suite/sanitizer_racecheck.txt"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("sanitizer_verdict", ROOT / "benchmarks/sanitizer_verdict.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("sanitizer_verdict")
 
 
 def test_library_races_alone_pass_and_are_listed():
