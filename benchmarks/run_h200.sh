@@ -22,8 +22,9 @@
 #                  epilogue, from 1024 tokens): its tests on the GPU, memcheck and racecheck of the
 #                  path at 65 and 1030 tokens, then benchmarks/probe_core_gemm.py: the path with it
 #                  against cuBLAS and the pass over z (CORE_MS, CORE_CONFIGS: the probe's own forms).
-# PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape: gemlite
-#                  tunes itself at each point, about 40 s a point.
+# PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape
+#                  (SYSTEM_SHAPES, default gate_up down): gemlite tunes itself at each point, about
+#                  30 s a point.
 # PHASE "ragged": escha bench's rule (arms escha, torch-bf16, torch-fp8) at token counts that are
 #                  not multiples of the kernels' token blocks (2-250), one step per seed shape: where
 #                  a TMA box runs past x' (the anomalies at 40 and 72 tokens were that), it shows.
@@ -204,7 +205,7 @@ case "$phase" in
     ;;
   system)
     ARMS=escha,torch-bf16,torch-fp8,triton-mxfp4,gemlite-w4,gemlite-w2,gemlite-mxfp4
-    for shape in gate_up down; do
+    for shape in ${SYSTEM_SHAPES:-gate_up down}; do
       step "bench_decode_$shape" 285 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 \
         --shapes "$shape" --out "$out/bench_decode_$shape"
     done
