@@ -51,10 +51,8 @@ def count_guards(tree: str) -> dict[str, int]:
 
 
 def measure(arm: str, args) -> dict:
-    """Generate twice with a static cache (compile, then measure) and time the second's steps."""
-    import torch._inductor.output_code as output_code
-    from transformers import CompileConfig
-
+    """Generate twice with a static cache (compile, then measure) and time the second's steps
+    (with ``args.guards``, also count the step's guards)."""
     trees = None
     if getattr(args, "guards", False):
         trees = _GuardTrees()
