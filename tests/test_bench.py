@@ -657,6 +657,28 @@ def test_compiled_step_probe_splits_the_step_around_its_graph():
     torch._dynamo.reset()
 
 
+# -- benchmarks/probe_eager_step.py --------------------------------------------------------------
+def test_eager_step_probe_profiles_both_arms(tmp_path):
+    """The probe times eager generate on the tiny model, profiles one call an arm with cProfile
+    (escha's product among escha's functions, per token, own time within inclusive time) and
+    says that the synchronization count needs CUDA."""
+    pytest.importorskip("transformers")
+    probe = _script("probe_eager_step")
+    assert probe.main(["--tiny", "--device", "cpu", "--new-tokens", "3", "--skip", "1", "--repeats", "1",
+                       "--top", "60", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "eager_step.json").read_text())
+    assert res["new_tokens"] == 3 and set(res["arms"]) == {"bf16", "escha"}
+    for arm, row in res["arms"].items():
+        assert len(row["ms_per_step"]) == 1 and row["ms_per_step"][0] > 0
+        assert row["synchronizations"] == {"note": "CUDA only"}
+        for r in row["profile"]["by_own"]:
+            assert 0 <= r["own_us_per_token"] <= r["inclusive_us_per_token"] + 1e-6 and r["calls_per_token"] > 0
+        assert (tmp_path / f"cprofile_{arm}.txt").read_text().strip()
+    names = [r["function"] for r in res["arms"]["escha"]["profile"]["by_inclusive"]]
+    assert any(n.startswith("ops.py:") and "(_product)" in n for n in names), names
+    assert not any("(_product)" in r["function"] for r in res["arms"]["bf16"]["profile"]["by_inclusive"])
+
+
 # -- benchmarks/bench_e2e_tp.py -----------------------------------------------------------------
 def test_e2e_tp_ratios_and_arguments():
     """The TP script's ratios and its refusals (the run itself needs torchrun: see its docstring)."""
