@@ -63,10 +63,17 @@ class SharedInput:
 
     def _buffer_key(self) -> tuple:
         # Identity and version of every member buffer (a move or an in-place load changes them),
-        # and the members' replacement counts, which traced code compares.
-        return tuple((id(t), write_count(t))
-                     for m in self.members for t in (m._buffers[n] for n in TENSOR_NAMES)) \
-            + tuple(m._generation for m in self.members)
+        # and the members' replacement counts, which traced code compares. Eager code only (traced
+        # code never restacks), so write_count's compile check is left out: every group's first
+        # call of an eager step makes this key, and the loop below takes half write_count's time.
+        key = []
+        for m in self.members:
+            bufs = m._buffers
+            for n in TENSOR_NAMES:
+                t = bufs[n]
+                key.append((id(t), None if t.is_inference() else t._version))
+        key.extend(m._generation for m in self.members)
+        return tuple(key)
 
     def _build(self) -> None:
         """Stack the members' weights; each member then holds views of the stack."""
