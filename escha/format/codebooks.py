@@ -57,6 +57,7 @@ class ThreeInst(Codebook):
     XOR = 0x3B603B60
 
     def values(self, states: torch.Tensor) -> torch.Tensor:
+        """The float16 value of each 16-bit state (any shape): the LCG, the mask/xor and the fp16 sum."""
         s = _check_states(states)
         x = (s * self.MUL + self.ADD) & 0xFFFFFFFF
         x = (x & self.MASK) ^ self.XOR

@@ -164,6 +164,7 @@ class LinearStats:
 
     @classmethod
     def from_json(cls, d: dict) -> "LinearStats":
+        """The stats ``to_json`` wrote (JSON object keys back to int bit widths, the shape to a tuple)."""
         d = dict(d)
         for k in ("proxy", "proxy_rel", "weight_rel", "storage_bpw"):
             d[k] = {int(b): float(v) for b, v in d[k].items()}

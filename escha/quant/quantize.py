@@ -253,6 +253,7 @@ class _Report:
             self.fn(done, self.total)
 
     def close(self) -> None:
+        """Close the progress bar, if one is shown."""
         if self.bar is not None:
             self.bar.close()
 
