@@ -182,6 +182,15 @@ class Decoder:
         return tokens
 
 
+def free_memory(device: torch.device) -> None:
+    """Collect what the caller dropped (a model between arms, weights replaced by their shards) and
+    return the allocator's cached blocks, so that the next arm's memory figures and allocations
+    start clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -452,9 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         if profiles:
             arms[arm]["launch_profile"] = profiles
         del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     results = summarize(arms, args, shape, config, device)
     if "speedup_escha_over_bf16" in results:
         print("speedup escha/bf16:", {k: round(v, 3) for k, v in results["speedup_escha_over_bf16"].items()})

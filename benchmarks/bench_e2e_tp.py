@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import sys
 import traceback
@@ -99,9 +98,8 @@ def run_arm(arm: str, config, args, device: torch.device, rank: int, ctrl: dist.
         model = e2e.build(config, kind, device, args.bits)
         if tp == "tp":
             parallelize(model)
-        gc.collect()
+        e2e.free_memory(device)
         if device.type == "cuda":
-            torch.cuda.empty_cache()
             mem = torch.cuda.memory_allocated(device)
         for b in args.batch_list:
             rows.append(measure(model, b, args, device, ctrl if tp == "tp" else None))
@@ -110,9 +108,7 @@ def run_arm(arm: str, config, args, device: torch.device, rank: int, ctrl: dist.
                 print(f"{arm:9s} batch {b}: {r['tokens_per_s']:.1f} tok/s ({r['ms_per_step']:.2f} ms/step, "
                       f"graphs={r['graphs']})", flush=True)
         del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        e2e.free_memory(device)
     mems = [None] * dist.get_world_size(ctrl)
     dist.all_gather_object(mems, mem, group=ctrl)  # also keeps idle ranks in step with rank 0
     if rank != 0:

@@ -21,7 +21,6 @@ static form, the compile); its seconds are recorded as ``first_call_s``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -68,6 +67,15 @@ def generate_once(model, ids: torch.Tensor, form: str, args, device: torch.devic
     if clock.mark is None:
         raise RuntimeError(f"the clock never ran: {clock.calls} steps for --skip {args.skip}")
     return end - start, (end - clock.mark) / (args.new_tokens - args.skip), out[0, ids.shape[1]:].tolist()
+
+
+def greedy_model(config, arm: str, device: torch.device, bits: int):
+    """bench_e2e.py's model of ``arm``, set to decode greedily to the end: random weights may pick
+    the end-of-sequence token."""
+    model = bench_e2e.build(config, arm, device, bits)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
 
 
 def batch_prompt(model, batch: int, args, device: torch.device) -> torch.Tensor:
@@ -160,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     arms: dict = {}
     for arm in args.arms.split(","):
-        model = bench_e2e.build(config, arm, device, args.bits)
-        # Greedy to the end: random weights may pick the end-of-sequence token.
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
+        model = greedy_model(config, arm, device, args.bits)
         rows = []
         for b in batches:
             for form in forms:
@@ -190,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["tokens_shared_with_generate"] = agreement(r["tokens"], plain[r["batch"]])
         arms[arm] = {"rows": rows}
         del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        bench_e2e.free_memory(device)
     results: dict = {"benchmark": "decode through transformers' generate", "arms": arms}
     if {"bf16", "escha"} <= set(arms):
         def rate(arm, form, b):

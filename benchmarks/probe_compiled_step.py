@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_e2e  # noqa: E402
+import bench_generate  # noqa: E402
 
 
 class _GuardTrees(logging.Handler):
@@ -73,9 +74,7 @@ def _measure(arm: str, args, trees: _GuardTrees | None) -> dict:
 
     device = torch.device(args.device)
     shape = bench_e2e.model_shape(args)
-    model = bench_e2e.build(bench_e2e.make_config(shape), arm, device, 2)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    model = bench_generate.greedy_model(bench_e2e.make_config(shape), arm, device, 2)
     config = CompileConfig()
     config._compile_all_devices = True  # transformers' own switch: on the CPU too
     ids = torch.randint(0, 100, (1, 8), device=device)

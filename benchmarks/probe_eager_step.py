@@ -13,9 +13,7 @@ record --format raw`` for a sampled view as well: the profiled calls run inside
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
-import gc
 import io
 import json
 import os
@@ -96,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": bench_e2e.machine(device), "layers": args.layers, "new_tokens": args.new_tokens,
                "skip": args.skip, "arms": {}}
     for arm in args.arms.split(","):
-        model = bench_e2e.build(config, arm, device, args.bits)
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
+        model = bench_generate.greedy_model(config, arm, device, args.bits)
         ids = bench_generate.batch_prompt(model, 1, args, device)
         timed_call(model, ids, args, device)  # warm-up: compiles kernels, makes launch plans
         ms = [timed_call(model, ids, args, device) for _ in range(args.repeats)]
@@ -110,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:6s} eager generate: {min(ms):.2f} ms a step (best of {len(ms)}), "
               f"{row['synchronizations'].get('per_call', 'n/a')} synchronizations a call", flush=True)
         del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        bench_e2e.free_memory(device)
     with open(os.path.join(args.out, "eager_step.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0
