@@ -64,8 +64,8 @@ class SharedInput:
     def _buffer_key(self) -> tuple:
         # Identity and version of every member buffer (a move or an in-place load changes them),
         # and the members' replacement counts, which traced code compares. Eager code only (traced
-        # code never restacks), so write_count's compile check is left out: every group's first
-        # call of an eager step makes this key, and the loop below takes half write_count's time.
+        # code never restacks), so write_count's compile check is left out and the version is read
+        # inline: every group's first call of an eager step makes this key.
         key = []
         for m in self.members:
             bufs = m._buffers
