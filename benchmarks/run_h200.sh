@@ -165,10 +165,16 @@
 #                  GENERATE_FORMS, GENERATE_SECONDS likewise; GENERATE_PROFILE=1 profiles one more
 #                  call of each form). First the GPU test of the static form (test_hf.py;
 #                  GENERATE_TEST=0 skips it).
+# PHASE "replay":  eager calls with decode_wgmma's kept plans replayed as CUDA graphs (_replayed) against
+#                  the tree in REPLAY_BASE (default .base: a copy of the commit before, its escha/
+#                  and benchmarks/, `git archive REV escha benchmarks | tar -x -C .base`): the GPU tests
+#                  of the plans and of transformers' generate (eager and static), then bench_host.py and
+#                  probe_eager_step.py (REPLAY_LAYERS, default 12) for each tree, one process a tree,
+#                  one after the other on the same machine, base first.
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate, compiled-step or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate, compiled-step, replay or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -475,6 +481,17 @@ case "$phase" in
       --layers "${GENERATE_LAYERS:-12}" --batches "${GENERATE_BATCHES:-1}" \
       --forms "${GENERATE_FORMS:-generate,generate-static,graphs}" ${GENERATE_PROFILE:+--profile} \
       --out "$out/generate.json"
+    ;;
+  replay)
+    base=${REPLAY_BASE:-.base}
+    step gpu_tests 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py tests/test_hf.py
+    for tree in base new; do
+      root=$PWD; [ "$tree" = base ] && root=$base
+      step "host_$tree" 120 env PYTHONPATH="$root${PYTHONPATH#$PWD}" python "$root/benchmarks/bench_host.py" \
+        --ms 1,16,64 --out "$out/host_$tree.json" --profile "$out/host_profile_$tree.txt"
+      step "eager_$tree" 150 env PYTHONPATH="$root${PYTHONPATH#$PWD}" python "$root/benchmarks/probe_eager_step.py" \
+        --device cuda --layers "${REPLAY_LAYERS:-12}" --out "$out/eager_$tree"
+    done
     ;;
   compiled-step)
     step compiled_step "${COMPILED_SECONDS:-300}" python benchmarks/probe_compiled_step.py \

@@ -87,6 +87,90 @@ def test_decode_wgmma_plans_are_bit_for_bit_the_first_call():
 
 
 @pytest.mark.gpu
+def test_decode_wgmma_replays_are_bit_for_bit_the_launches():
+    """From a key's second eager call on, the three launches are one CUDA graph replayed over
+    the stream's arena: fresh inputs give the bits of the same plan launched into a caller's
+    output (which never replays), earlier results are not overwritten, a larger call grows the
+    arena and the smaller key's graph is captured again, and calls inside a capture or on
+    another stream do not replay this stream's graphs."""
+    from escha.format import random_qweight
+    from escha.kernels.common import stream_arena
+    from escha.kernels.decode_wgmma import _packed, decode_wgmma, runs_on
+    if not runs_on(torch.device("cuda"), 2):
+        pytest.skip("needs a Hopper GPU")
+    qw = random_qweight(512, 1024, bits=2, seed=9, device="cuda")
+    packed = _packed(qw)
+
+    def launched(x, **kwargs):  # the plan's own launches (a caller's output is never replayed)
+        out = torch.full((x.shape[0], 512), float("nan"), device="cuda", dtype=x.dtype)
+        return decode_wgmma(x, qw, out=out, **kwargs)
+
+    for label, make_x, kwargs in _decode_cases():
+        if label == "strided x":
+            continue  # not the arena's layout: never replayed (checked below)
+        decode_wgmma(make_x(), qw, **kwargs)  # the plan
+        graphs = len(packed.graphs)
+        xs = [make_x() for _ in range(3)]
+        ys = [decode_wgmma(x, qw, **kwargs) for x in xs]  # captured at the first, replayed after
+        assert len(packed.graphs) == graphs + 1, label
+        for x, y in zip(xs, ys):  # each result intact after the later calls
+            assert torch.isfinite(y).all() and torch.equal(y, launched(x, **kwargs)), label
+        assert len({y.data_ptr() for y in ys}) == 3, label
+    strided = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)[:, ::2]
+    graphs = len(packed.graphs)
+    for _ in range(3):
+        assert torch.equal(decode_wgmma(strided, qw), launched(strided))
+    assert len(packed.graphs) == graphs
+
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    arena = stream_arena(torch.device("cuda"), stream)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    decode_wgmma(x, qw)
+    replay = next(r for r in packed.graphs.values() if r.x.shape[0] == 1 and r.arena is arena)
+    stream_arena(torch.device("cuda"), stream, arena.buffer.numel() + 1)  # as a larger weight's capture does
+    assert arena.generation == replay.generation + 1
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(decode_wgmma(x, qw), launched(x))  # captured again over the new buffer
+    assert next(r for r in packed.graphs.values() if r.x.shape[0] == 1 and r.arena is arena).generation == arena.generation
+
+    graphs = len(packed.graphs)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        y_captured = decode_wgmma(x, qw)  # inside a capture: the plan's launches, captured
+    x.copy_(torch.randn(1, 1024))
+    outer.replay()
+    assert torch.equal(y_captured, launched(x)) and len(packed.graphs) == graphs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            y_side = decode_wgmma(x, qw)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(y_side, launched(x)) and len(packed.graphs) == graphs + 1  # its own arena and graph
+
+
+def test_arena_views_are_aligned_and_apart():
+    """The arena's parts start at multiples of 256 bytes and do not overlap; a request longer
+    than the arena makes a new generation (CPU: the same code as on a GPU, without graphs)."""
+    from escha.kernels.common import ARENA_MIN_BYTES, arena_bytes, arena_views, stream_arena
+    parts = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((2, 3, 4), torch.float16), ((1,), torch.uint8)]
+    cpu = torch.device("cpu")
+    arena = stream_arena(cpu, 12345)
+    first = arena.generation
+    assert arena.buffer.numel() >= ARENA_MIN_BYTES and stream_arena(cpu, 12345, 100) is arena
+    assert arena.generation == first
+    views = arena_views(arena, parts)
+    base = arena.buffer.data_ptr()
+    spans = [(v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size()) for v in views]
+    assert all(a % 256 == 0 for a, _ in spans) and all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:]))
+    assert [tuple(v.shape) for v in views] == [p[0] for p in parts] and spans[-1][1] <= arena_bytes(parts)
+    assert stream_arena(cpu, 12345, 3 * ARENA_MIN_BYTES).generation == first + 1
+    assert arena.buffer.numel() == 4 * ARENA_MIN_BYTES
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op_name", ["dequant_fp8", "dequant_bf16", "dequant_core_fp8", "dequant_core_bf16"])
 def test_dequantize_once_plans_are_bit_for_bit_the_first_call(op_name):
     import escha.kernels.dequant_once as dq

@@ -330,6 +330,65 @@ def workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) 
     return buf
 
 
+# -- Arenas of replayed launches ---------------------------------------------------------------
+class Arena:
+    """One uint8 buffer per (device, stream) that CUDA graphs captured over it share, and its
+    generation. A graph captured over an arena holds its addresses, so it may be replayed only
+    while the arena's generation is the one it was captured at; ``stream_arena`` replaces the
+    buffer by a larger one (a new generation) when a graph needs more, and the graphs of the old
+    one are captured again on their next call. Graphs replayed on one stream run one after the
+    other, so they may share it as the workspaces of one stream do (``workspace``)."""
+
+    __slots__ = ("buffer", "generation")
+
+    def __init__(self) -> None:
+        self.buffer, self.generation = None, -1
+
+
+_ARENAS: dict[tuple[int, int], Arena] = {}
+ARENA_MIN_BYTES = 1 << 20  # sizes are powers of two from here, so a model grows its arena a few times at most
+
+
+def stream_arena(device: torch.device, stream: int, nbytes: int = 0) -> Arena:
+    """The arena of (``device``, raw ``stream``), made at least ``nbytes`` long: a new, larger
+    buffer and generation if the current one is shorter (memory from ``kept``; the old buffer is
+    freed in stream order, as any tensor)."""
+    key = (cuda_device(device).index, stream)
+    arena = _ARENAS.get(key)
+    if arena is None:
+        arena = _ARENAS[key] = Arena()
+    if arena.buffer is None or arena.buffer.numel() < nbytes:
+        size = max(ARENA_MIN_BYTES, 1 << (nbytes - 1).bit_length())
+        arena.buffer = None
+        arena.buffer = kept(device, lambda: torch.empty(size, dtype=torch.uint8, device=device))
+        arena.generation += 1
+    return arena
+
+
+def arena_views(arena: Arena, parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Contiguous tensors of the given (shape, dtype) laid one after another in ``arena``'s
+    buffer, each at a multiple of 256 bytes (TMA wants 16; 256 keeps every part's rows aligned
+    alike); ``arena_bytes`` is the length they need."""
+    views, offset = [], 0
+    for shape, dtype in parts:
+        n = math.prod(shape) * dtype.itemsize
+        views.append(arena.buffer[offset:offset + n].view(dtype).view(shape))
+        offset += -(-n // 256) * 256
+    return views
+
+
+def arena_bytes(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The bytes ``arena_views`` takes for ``parts``."""
+    return sum(-(-(math.prod(shape) * dtype.itemsize) // 256) * 256 for shape, dtype in parts)
+
+
+@functools.cache
+def capture_stream(index: int) -> torch.cuda.Stream:
+    """A stream of escha's own on device ``index`` to capture graphs on (a capture may not run on
+    the legacy default stream, where eager callers usually are)."""
+    return torch.cuda.Stream(torch.device("cuda", index))
+
+
 # -- Shared device functions --------------------------------------------------------------------
 @triton.jit
 def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):

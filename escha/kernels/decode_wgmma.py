@@ -56,8 +56,9 @@ from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
-from .common import (Prepared, check_codebook, check_operands, dependent_launch_supported, device_capability,
-                     device_constant, interpreted, kept, output_tensor, prepare)
+from .common import (Arena, Prepared, arena_bytes, arena_views, capture_stream, check_codebook, check_operands,
+                     dependent_launch_supported, device_capability, device_constant, interpreted, kept,
+                     output_tensor, prepare, stream_arena)
 from .transforms import input_columns, prepare_input, prepare_output
 from .triton_compat import smem_reinterpret, tma_async_load
 
@@ -121,7 +122,7 @@ class _Packed:
     """What decode_wgmma keeps per weight: the repacked words, their TMA descriptor, and the
     prepared launches of each (x layout, settings) it has run (``_launch``)."""
 
-    __slots__ = ("words", "descs", "plans")
+    __slots__ = ("words", "descs", "plans", "graphs")
 
     def __init__(self, words: torch.Tensor) -> None:
         self.words = words
@@ -129,6 +130,18 @@ class _Packed:
         self.descs = {f: TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8 * f, BLOCK_K], WORDS_SMEM_LAYOUT)
                       for f in (1, 2)}
         self.plans: dict[tuple, tuple[int, Prepared, Prepared, Prepared]] = {}
+        self.graphs: dict[tuple, _Replay] = {}
+
+
+class _Replay:
+    """A kept plan's three launches captured as one CUDA graph over its stream's arena
+    (``_replayed``): its x and y are arena views, and it is valid while the arena is at
+    ``generation``."""
+
+    __slots__ = ("graph", "arena", "generation", "x", "y")
+
+    def __init__(self, graph, arena: Arena, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.graph, self.arena, self.generation, self.x, self.y = graph, arena, arena.generation, x, y
 
 
 _PACKED: dict[int, _Packed] = {}
@@ -831,17 +844,17 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
            None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
     plan = packed.plans.get(key)
     if plan is not None:
-        segs, pin, pgemm, pout = plan
-        kx = input_columns(kp, cfg.halves)
-        mk = partial_rows(m, cfg.block_tokens)
-        xq = torch.empty((mk, kx), dtype=torch.float16, device=x.device)  # rows past m unwritten
-        inv = torch.empty((m,), dtype=torch.float32, device=x.device)
-        ws = torch.empty((segs, mk, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
-        y = output_tensor(x, m, qw.out_features, out)
-        pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
-        pgemm.run(TensorDescriptor(xq, [mk, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)),
-                  ws)
-        pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
+        if (out is None and x2d.stride(1) == 1 and x2d.stride(0) == x2d.shape[1]
+                and not torch.cuda.is_current_stream_capturing()):
+            y = _replayed(x2d, qw, packed, key, plan, cfg, norm, head_norm)
+        else:
+            kx = input_columns(kp, cfg.halves)
+            mk = partial_rows(m, cfg.block_tokens)
+            xq = torch.empty((mk, kx), dtype=torch.float16, device=x.device)  # rows past m unwritten
+            inv = torch.empty((m,), dtype=torch.float32, device=x.device)
+            ws = torch.empty((plan[0], mk, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
+            y = output_tensor(x, m, qw.out_features, out)
+            _run_plan(plan, cfg, x2d, xq, inv, ws, y, norm, head_norm)
         return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
@@ -854,6 +867,60 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     if pin is not None and pgemm is not None and pout is not None:
         packed.plans[key] = (ws.shape[0], pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)
+
+
+def _run_plan(plan: tuple[int, Prepared, Prepared, Prepared], cfg: DecodeWgmmaConfig, x2d: torch.Tensor,
+              xq: torch.Tensor, inv: torch.Tensor, ws: torch.Tensor, y: torch.Tensor,
+              norm: RowNorm | None, head_norm: HeadNorm | None) -> None:
+    """Launch a kept plan's three kernels over the given x, x', 2**-e, partials and y."""
+    _, pin, pgemm, pout = plan
+    mk, kx = xq.shape
+    pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
+    pgemm.run(TensorDescriptor(xq, [mk, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)), ws)
+    pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
+
+
+def _replayed(x2d: torch.Tensor, qw: QuantizedWeight, packed: _Packed, key: tuple,
+              plan: tuple[int, Prepared, Prepared, Prepared], cfg: DecodeWgmmaConfig,
+              norm: RowNorm | None, head_norm: HeadNorm | None) -> torch.Tensor:
+    """A kept plan's call as one CUDA graph replay: x copied into the stream's arena, the three
+    kernels replayed from a graph captured over the arena on the key's second call, y copied
+    out. An eager call's host time is mostly Triton's three launches (docs/KERNELS.md, "Host
+    time of a call"); this makes them one graph launch and two copies. The copy in and the
+    fresh y keep the call's contract: any x of this layout, a y no later call overwrites. The
+    graph fixes the norms' addresses, so they are part of its key; x needs the layout the
+    arena's copy has (rows of in_features, unit stride), which the plan's strides then match."""
+    index = x2d.device.index
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    gkey = (key, stream, None if norm is None else norm.weight.data_ptr(),
+            None if head_norm is None else (head_norm.weight.data_ptr(), head_norm.blocks.data_ptr()))
+    replay = packed.graphs.get(gkey)
+    if replay is None or replay.generation != replay.arena.generation:
+        replay = packed.graphs[gkey] = _capture(x2d, qw, plan, cfg, norm, head_norm, stream)
+    replay.x.copy_(x2d)
+    replay.graph.replay()
+    return replay.y.clone()
+
+
+def _capture(x2d: torch.Tensor, qw: QuantizedWeight, plan: tuple[int, Prepared, Prepared, Prepared],
+             cfg: DecodeWgmmaConfig, norm: RowNorm | None, head_norm: HeadNorm | None, stream: int) -> _Replay:
+    """Capture a plan's three launches as a CUDA graph over views of the arena of (x's device,
+    ``stream``), on escha's capture stream (nothing runs during a capture)."""
+    m, k = x2d.shape
+    np_, kp = qw.padded_shape
+    mk = partial_rows(m, cfg.block_tokens)
+    parts = [((m, k), x2d.dtype), ((mk, input_columns(kp, cfg.halves)), torch.float16), ((m,), torch.float32),
+             ((plan[0], mk, np_), torch.float32), ((m, qw.out_features), x2d.dtype)]
+    arena = stream_arena(x2d.device, stream, arena_bytes(parts))
+    xs, xq, inv, ws, y = arena_views(arena, parts)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(capture_stream(x2d.device.index)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            _run_plan(plan, cfg, xs, xq, inv, ws, y, norm, head_norm)
+        finally:
+            graph.capture_end()
+    return _Replay(graph, arena, xs, y)
 
 
 def partial_rows(m: int, block_tokens: int) -> int:
