@@ -171,10 +171,13 @@
 #                  of the plans and of transformers' generate (eager and static), then bench_host.py and
 #                  probe_eager_step.py (REPLAY_LAYERS, default 12) for each tree, one process a tree,
 #                  one after the other on the same machine, base first.
+# PHASE "replay-e2e": compute-sanitizer memcheck and racecheck of the replay test, then bench_e2e.py eager
+#                  (--graphs none, batch 1 and 8, the 40-layer Qwen3-14B-shaped model) for each tree
+#                  as "replay" does (REPLAY_BASE, base first).
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate, compiled-step, replay or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate, compiled-step, replay, replay-e2e or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -491,6 +494,19 @@ case "$phase" in
         --ms 1,16,64 --out "$out/host_$tree.json" --profile "$out/host_profile_$tree.txt"
       step "eager_$tree" 150 env PYTHONPATH="$root${PYTHONPATH#$PWD}" python "$root/benchmarks/probe_eager_step.py" \
         --device cuda --layers "${REPLAY_LAYERS:-12}" --out "$out/eager_$tree"
+    done
+    ;;
+  replay-e2e)
+    base=${REPLAY_BASE:-.base}
+    for tool in memcheck racecheck; do
+      step "sanitize_replay_$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
+        python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py -k replays
+    done
+    for tree in base new; do
+      root=$PWD; [ "$tree" = base ] && root=$base
+      step "e2e_eager_$tree" 200 env PYTHONPATH="$root${PYTHONPATH#$PWD}" python "$root/benchmarks/bench_e2e.py" \
+        --device cuda --arms bf16,escha --batches 1,8 --graphs none --new-tokens 32 --repeats 2 --no-profile \
+        --out "$out/e2e_eager_$tree.json"
     done
     ;;
   compiled-step)
