@@ -119,8 +119,9 @@ def pack_words(qw: QuantizedWeight) -> torch.Tensor:
 
 
 class _Packed:
-    """What decode_wgmma keeps per weight: the repacked words, their TMA descriptor, and the
-    prepared launches of each (x layout, settings) it has run (``_launch``)."""
+    """What decode_wgmma keeps per weight: the repacked words, their TMA descriptor, the
+    prepared launches of each (x layout, settings) it has run (``_launch``) and their CUDA graphs
+    by stream (``_replayed``)."""
 
     __slots__ = ("words", "descs", "plans", "graphs")
 
@@ -826,8 +827,9 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     """Allocate and launch (operands already checked; compile_check calls it off the GPU).
 
     The first call for a weight, a layout of x and a set of settings launches through Triton
-    and keeps the three launches prepared (``common.Prepared``); later calls with the same key
-    only allocate and launch them again, which is most of an eager call's host time.
+    and keeps the three launches prepared (``common.Prepared``). Later eager calls with the same
+    key replay them as one CUDA graph (``_replayed``); inside a capture, into a caller's output
+    or from x with rows not contiguous, they allocate and launch them again.
     """
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
