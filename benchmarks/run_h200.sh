@@ -168,10 +168,11 @@
 # PHASE "replay":  eager calls with decode_wgmma's kept plans replayed as CUDA graphs (_replayed) against
 #                  the tree in REPLAY_BASE (default .base: a copy of the commit before, its escha/
 #                  and benchmarks/, `git archive REV escha benchmarks | tar -x -C .base`): the GPU tests
-#                  of the plans and of transformers' generate (eager and static), then bench_host.py and
+#                  of the plans, of decode_fp8 and of transformers' generate (eager and static), memcheck
+#                  and racecheck of the replay tests, then bench_host.py (REPLAY_MS) and
 #                  probe_eager_step.py (REPLAY_LAYERS, default 12) for each tree, one process a tree,
 #                  one after the other on the same machine, base first.
-# PHASE "replay-e2e": compute-sanitizer memcheck and racecheck of the replay test, then bench_e2e.py eager
+# PHASE "replay-e2e": compute-sanitizer memcheck and racecheck of the replay tests, then bench_e2e.py eager
 #                  (--graphs none, batch 1 and 8, the 40-layer Qwen3-14B-shaped model) for each tree
 #                  as "replay" does (REPLAY_BASE, base first).
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
@@ -487,11 +488,16 @@ case "$phase" in
     ;;
   replay)
     base=${REPLAY_BASE:-.base}
-    step gpu_tests 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py tests/test_hf.py
+    step gpu_tests 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py tests/test_hf.py \
+      tests/test_decode_fp8.py
+    for tool in memcheck racecheck; do
+      step "sanitize_replay_$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
+        python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py -k "replays or bounded"
+    done
     for tree in base new; do
       root=$PWD; [ "$tree" = base ] && root=$base
       step "host_$tree" 120 env PYTHONPATH="$root${PYTHONPATH#$PWD}" python "$root/benchmarks/bench_host.py" \
-        --ms 1,16,64 --out "$out/host_$tree.json" --profile "$out/host_profile_$tree.txt"
+        --ms "${REPLAY_MS:-1,16,64,128,256}" --out "$out/host_$tree.json" --profile "$out/host_profile_$tree.txt"
       step "eager_$tree" 150 env PYTHONPATH="$root${PYTHONPATH#$PWD}" python "$root/benchmarks/probe_eager_step.py" \
         --device cuda --layers "${REPLAY_LAYERS:-12}" --out "$out/eager_$tree"
     done
@@ -500,7 +506,7 @@ case "$phase" in
     base=${REPLAY_BASE:-.base}
     for tool in memcheck racecheck; do
       step "sanitize_replay_$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
-        python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py -k replays
+        python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py -k "replays or bounded"
     done
     for tree in base new; do
       root=$PWD; [ "$tree" = base ] && root=$base

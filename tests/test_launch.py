@@ -151,6 +151,74 @@ def test_decode_wgmma_replays_are_bit_for_bit_the_launches():
     assert torch.equal(y_side, launched(x)) and len(packed.graphs) == graphs + 1  # its own arena and graph
 
 
+@pytest.mark.gpu
+def test_decode_fp8_replays_are_bit_for_bit_the_launches():
+    """decode_fp8 keeps its launches as decode_wgmma does (in ``weight_plans``) and replays them
+    from a key's second eager call: fresh inputs give the bits of the plan launched into a
+    caller's output, earlier results survive later calls, and x with rows not contiguous is
+    launched, not replayed."""
+    from escha.format import random_qweight
+    from escha.kernels.common import weight_plans
+    from escha.kernels.decode_fp8 import _GRAPHS, decode_fp8
+    from escha.kernels.decode_wgmma import runs_on
+    from escha.norm import HeadNorm, RowNorm
+    if not runs_on(torch.device("cuda"), 2):
+        pytest.skip("needs a Hopper GPU")
+    dev = torch.device("cuda")
+    qw = random_qweight(512, 1024, bits=2, seed=13, device=dev)
+    plans = weight_plans(qw)
+    norm = RowNorm(torch.rand(1024, device=dev, dtype=torch.bfloat16) + 0.5, 1e-6)
+    head = HeadNorm(torch.rand(512, device=dev, dtype=torch.bfloat16) + 0.5,
+                    torch.tensor([1, 0, 1, 0], dtype=torch.int8, device=dev), 1e-6)
+    big = torch.randn(200 * 1024 + 8, device=dev, dtype=torch.bfloat16)
+    cases = [("M=100", lambda: torch.randn(100, 1024, device=dev, dtype=torch.bfloat16), {}),
+             ("M=256 fp16", lambda: torch.randn(256, 1024, device=dev, dtype=torch.float16), {}),
+             ("M=130 fp32", lambda: torch.randn(130, 1024, device=dev), {}),
+             ("norms", lambda: torch.randn(70, 1024, device=dev, dtype=torch.bfloat16), {"norm": norm, "head_norm": head}),
+             ("misaligned x", lambda: big[1:1 + 200 * 1024].view(200, 1024).copy_(torch.randn(200, 1024)), {})]
+
+    def graphs() -> int:
+        return len(plans.get(_GRAPHS, {}))
+
+    def launched(x, **kwargs):  # the plan's own launches (a caller's output is never replayed)
+        out = torch.full((x.shape[0], 512), float("nan"), device=dev, dtype=x.dtype)
+        return decode_fp8(x, qw, out=out, **kwargs)
+
+    for label, make_x, kwargs in cases:
+        first = make_x()
+        y_first = decode_fp8(first, qw, **kwargs)  # through Triton: the plan
+        before = graphs()
+        xs = [make_x() for _ in range(3)]
+        ys = [decode_fp8(x, qw, **kwargs) for x in xs]  # captured at the first, replayed after
+        assert graphs() == before + 1, label
+        for x, y in zip([first] + xs, [y_first] + ys):
+            assert torch.isfinite(y).all() and torch.equal(y, launched(x, **kwargs)), label
+    strided = torch.randn(100, 2048, device=dev, dtype=torch.bfloat16)[:, ::2]
+    before = graphs()
+    for _ in range(3):
+        assert torch.equal(decode_fp8(strided, qw), launched(strided))
+    assert graphs() == before
+
+
+@pytest.mark.gpu
+def test_graphs_a_weight_keeps_are_bounded():
+    """A weight keeps at most MAX_GRAPHS graphs an op: past them, a new token count launches its
+    plan (same bits) instead of capturing one more graph."""
+    from escha.format import random_qweight
+    from escha.kernels.common import MAX_GRAPHS
+    from escha.kernels.decode_wgmma import _packed, decode_wgmma, runs_on
+    if not runs_on(torch.device("cuda"), 2):
+        pytest.skip("needs a Hopper GPU")
+    qw = random_qweight(256, 512, bits=2, seed=5, device="cuda")
+    graphs = _packed(qw).graphs
+    for m in range(1, MAX_GRAPHS + 4):
+        for _ in range(3):
+            x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty((m, 256), device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(decode_wgmma(x, qw), decode_wgmma(x, qw, out=out))
+        assert len(graphs) == min(m, MAX_GRAPHS)
+
+
 def test_arena_views_are_aligned_and_apart():
     """The arena's parts start at multiples of 256 bytes and do not overlap; a request longer
     than the arena makes a new generation (CPU: the same code as on a GPU, without graphs)."""

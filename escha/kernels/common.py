@@ -389,6 +389,67 @@ def capture_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(torch.device("cuda", index))
 
 
+class Replay:
+    """A kept plan's launches captured as one CUDA graph over views of its stream's arena
+    (``replayed``): x and y are two of those views, and the graph is valid while the arena is at
+    ``generation``."""
+
+    __slots__ = ("graph", "arena", "generation", "x", "y")
+
+    def __init__(self, graph, arena: Arena, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.graph, self.arena, self.generation, self.x, self.y = graph, arena, arena.generation, x, y
+
+
+def replayable(x2d: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether an eager call with a kept plan may be ``replayed``: no caller's output (the graph
+    writes its own y), x's rows contiguous (the arena's copy of x has that layout, which the
+    plan's fixed strides must then describe) and no capture under way (a replay cannot be
+    captured; the plan's own launches can)."""
+    return (out is None and x2d.stride(1) == 1 and x2d.stride(0) == x2d.shape[1]
+            and not torch.cuda.is_current_stream_capturing())
+
+
+MAX_GRAPHS = 8  # graphs one op keeps a weight: a decode loop needs one or two (its step, its prompt)
+
+
+def replayed(graphs: dict, key: tuple, x2d: torch.Tensor, parts: Callable[[], list[tuple[tuple[int, ...], torch.dtype]]],
+             launch: Callable[..., None]) -> torch.Tensor | None:
+    """A kept plan's call as one CUDA graph replay: x copied into the current stream's arena, the
+    graph replayed, y copied out. The graph is kept in ``graphs`` under ``key`` and the stream,
+    and captured on its first call, or again once the arena has grown (``stream_arena``). None,
+    with nothing run, when ``graphs`` already holds MAX_GRAPHS others: a caller whose token count
+    changes every call (a server's batch) would otherwise keep a graph for every count, so calls
+    past the first MAX_GRAPHS keys launch their plans instead.
+    ``parts()`` lists the call's tensors, x first and y last (``arena_views``); ``launch(*views)``
+    launches the plan's kernels over them. ``key`` must fix everything the launches read besides
+    the views (the norms' addresses among them: the graph keeps them).
+
+    Why: an eager call's host time is mostly the kernels' launches through Triton (docs/KERNELS.md,
+    "Host time of a call"); this makes them one graph launch and two copies. The copy in and the
+    fresh y keep the call's contract: any x of this layout, a y no later call overwrites."""
+    index = x2d.device.index
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    gkey = (key, stream)
+    replay = graphs.get(gkey)
+    if replay is None and len(graphs) >= MAX_GRAPHS:
+        return None
+    if replay is None or replay.generation != replay.arena.generation:
+        tensors = parts()
+        arena = stream_arena(x2d.device, stream, arena_bytes(tensors))
+        views = arena_views(arena, tensors)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(capture_stream(index)):  # nothing runs during a capture
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                launch(*views)
+            finally:
+                graph.capture_end()
+        replay = graphs[gkey] = Replay(graph, arena, views[0], views[-1])
+    replay.x.copy_(x2d)
+    replay.graph.replay()
+    return replay.y.clone()
+
+
 # -- Shared device functions --------------------------------------------------------------------
 @triton.jit
 def hadamard_pm1(BLOCK: tl.constexpr, dtype: tl.constexpr):

@@ -50,12 +50,16 @@ from ..norm import HeadNorm, RowNorm
 from .common import (
     DECODE_FP8_SCALE_LOG2,
     FP8_DTYPE,
+    Prepared,
     check_codebook,
     check_operands,
     dependent_launch_supported,
     device_constant,
     output_tensor,
     prepare,
+    replayable,
+    replayed,
+    weight_plans,
 )
 from .decode_wgmma import (
     _RELEASE_ASM,
@@ -77,7 +81,7 @@ from .decode_wgmma import (
     runs_on,
     segment_counts,
 )
-from .transforms import hadamard_output, prepare_input
+from .transforms import prepare_input, prepare_output
 from .triton_compat import cta_barrier, tma_async_load
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
@@ -417,22 +421,78 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     return _launch(x, qw, config, out, norm, head_norm)
 
 
+_GRAPHS = ("decode_fp8", "graphs")  # the key of this op's graphs in a weight's plans
+
+
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None,
             out: torch.Tensor | None, norm: RowNorm | None = None,
             head_norm: HeadNorm | None = None) -> torch.Tensor:
     """Allocate and launch the three kernels (operands already checked; compile_check calls it
-    off the GPU)."""
+    off the GPU).
+
+    As ``decode_wgmma``'s: the first call of a weight, a layout of x and a set of settings
+    launches through Triton and keeps the three launches prepared (in ``common.weight_plans``).
+    Later eager calls with the same key replay them as one CUDA graph (``common.replayed``);
+    inside a capture, into a caller's output or from x with rows not contiguous, they allocate
+    and launch them again.
+    """
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
+    np_, kp = qw.padded_shape
+    rows = triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens  # x' in whole token blocks: no TMA box reaches past it
+    plans = weight_plans(qw)
+    # Everything the prepared launches fixed: the weight's other tensors, x's dtype, strides and
+    # alignment, the configuration, the norms and a caller's output buffer.
+    key = ("decode_fp8", id(qw.su), id(qw.sv), id(qw.scale), id(qw.gscale), m, x2d.dtype, x2d.stride(0),
+           x2d.stride(1), x2d.data_ptr() % 16 == 0, cfg,
+           None if norm is None else (norm.weight.dtype, norm.weight.data_ptr() % 16 == 0, norm.eps),
+           None if head_norm is None else (head_norm.weight.dtype, head_norm.weight.data_ptr() % 16 == 0,
+                                           head_norm.blocks.data_ptr() % 16 == 0, head_norm.eps),
+           None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
+    plan = plans.get(key)
+    if plan is not None:
+        y = None
+        if replayable(x2d, out):
+            # The graph fixes the norms' addresses: they are part of its key.
+            gkey = (key, None if norm is None else norm.weight.data_ptr(),
+                    None if head_norm is None else (head_norm.weight.data_ptr(), head_norm.blocks.data_ptr()))
+            y = replayed(plans.setdefault(_GRAPHS, {}), gkey, x2d, lambda: _parts(x2d, qw, plan[0], rows),
+                         lambda *views: _run_plan(plan, cfg, *views, norm, head_norm))
+        if y is None:
+            xq = torch.empty((rows, kp), dtype=FP8_DTYPE, device=x.device)  # rows past m unwritten
+            inv = torch.empty((m,), dtype=torch.float32, device=x.device)
+            ws = torch.empty((plan[0], m, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
+            y = output_tensor(x, m, qw.out_features, out)
+            _run_plan(plan, cfg, x2d, xq, inv, ws, y, norm, head_norm)
+        return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
-    # x' has whole token blocks of rows (those past m unwritten): no TMA box reaches past it.
-    xq, inv, _ = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, keep=False, fp8=True,
-                               mma_order=True, rows=triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens)
-    ws, counts = gemm_partials(xq, qw, cfg, tokens=m)
+    xq, inv, pin = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, fp8=True,
+                                 mma_order=True, rows=rows)
+    ws, counts, pgemm = _gemm(xq, qw, cfg, m, keep=True)
     y = output_tensor(x, m, qw.out_features, out)
-    hadamard_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
+    pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
+    if pin is not None and pgemm is not None and pout is not None:
+        plans[key] = (ws.shape[0], pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)
+
+
+def _parts(x2d: torch.Tensor, qw: QuantizedWeight, segs: int, rows: int) -> list:
+    """The (shape, dtype) of a call's x, x', 2**-e, partials and y, for ``common.replayed``."""
+    m, k = x2d.shape
+    np_, kp = qw.padded_shape
+    return [((m, k), x2d.dtype), ((rows, kp), FP8_DTYPE), ((m,), torch.float32), ((segs, m, np_), torch.float32),
+            ((m, qw.out_features), x2d.dtype)]
+
+
+def _run_plan(plan: tuple, cfg: DecodeFp8Config, x2d: torch.Tensor, xq: torch.Tensor, inv: torch.Tensor,
+              ws: torch.Tensor, y: torch.Tensor, norm: RowNorm | None, head_norm: HeadNorm | None) -> None:
+    """Launch a kept plan's three kernels over the given x, x', 2**-e, partials and y."""
+    _, pin, pgemm, pout = plan
+    rows, kp = xq.shape
+    pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
+    pgemm.run(TensorDescriptor(xq, [rows, kp], [kp, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)), ws)
+    pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
 
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,
@@ -441,6 +501,13 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,
     order: ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(16 T), and each 64-row group's count of
     them (``hadamard_output``'s ``segments``; the other partials are left unwritten). M is
     ``tokens`` (default: x''s rows); x' may have more rows, which are read and not stored."""
+    return _gemm(xq, qw, cfg, tokens, keep=False)[:2]
+
+
+def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config, tokens: int | None,
+          keep: bool) -> tuple[torch.Tensor, torch.Tensor, Prepared | None]:
+    """Launch the GEMM through Triton: (partials, each 64-row group's count of them, the launch
+    prepared when ``keep``)."""
     m = xq.shape[0] if tokens is None else tokens
     if not 1 <= m <= xq.shape[0]:
         raise ValueError(f"tokens must be 1..{xq.shape[0]} (x''s rows), got {m}")
@@ -459,11 +526,12 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,
     ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).words, ws, m, np_, nkb, tiles * nkb, programs,
-            slots=None, BITS=qw.bits, BN=cfg.block_tokens, STAGES=cfg.stages, WM=cfg.warps_m, WN=cfg.warps_n,
-            A_SMEM=a_smem_layout(16 * cfg.warps_m), PDL=cfg.dependent_launch,
-            num_warps=cfg.warps_m * cfg.warps_n, launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
-    return ws, counts
+    prepared = prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).words, ws, m, np_, nkb, tiles * nkb, programs,
+                       slots=("x_desc", "ws_ptr") if keep else None, BITS=qw.bits, BN=cfg.block_tokens,
+                       STAGES=cfg.stages, WM=cfg.warps_m, WN=cfg.warps_n, A_SMEM=a_smem_layout(16 * cfg.warps_m),
+                       PDL=cfg.dependent_launch, num_warps=cfg.warps_m * cfg.warps_n,
+                       launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
+    return ws, counts, prepared
 
 # -- Why the configuration is what it is ---------------------------------------------------------
 # Measured on one H200 (torch 2.11+cu130, triton 3.6.0), CUDA graphs, weights rotated past L2,

@@ -56,9 +56,9 @@ from ..format.bitstream import words_to_u64
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
-from .common import (Arena, Prepared, arena_bytes, arena_views, capture_stream, check_codebook, check_operands,
-                     dependent_launch_supported, device_capability, device_constant, interpreted, kept,
-                     output_tensor, prepare, stream_arena)
+from .common import (Prepared, Replay, check_codebook, check_operands, dependent_launch_supported,
+                     device_capability, device_constant, interpreted, kept, output_tensor, prepare, replayable,
+                     replayed)
 from .transforms import input_columns, prepare_input, prepare_output
 from .triton_compat import smem_reinterpret, tma_async_load
 
@@ -121,7 +121,7 @@ def pack_words(qw: QuantizedWeight) -> torch.Tensor:
 class _Packed:
     """What decode_wgmma keeps per weight: the repacked words, their TMA descriptor, the
     prepared launches of each (x layout, settings) it has run (``_launch``) and their CUDA graphs
-    by stream (``_replayed``)."""
+    by stream (``common.replayed``)."""
 
     __slots__ = ("words", "descs", "plans", "graphs")
 
@@ -131,18 +131,7 @@ class _Packed:
         self.descs = {f: TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8 * f, BLOCK_K], WORDS_SMEM_LAYOUT)
                       for f in (1, 2)}
         self.plans: dict[tuple, tuple[int, Prepared, Prepared, Prepared]] = {}
-        self.graphs: dict[tuple, _Replay] = {}
-
-
-class _Replay:
-    """A kept plan's three launches captured as one CUDA graph over its stream's arena
-    (``_replayed``): its x and y are arena views, and it is valid while the arena is at
-    ``generation``."""
-
-    __slots__ = ("graph", "arena", "generation", "x", "y")
-
-    def __init__(self, graph, arena: Arena, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.graph, self.arena, self.generation, self.x, self.y = graph, arena, arena.generation, x, y
+        self.graphs: dict[tuple, Replay] = {}
 
 
 _PACKED: dict[int, _Packed] = {}
@@ -828,7 +817,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
 
     The first call for a weight, a layout of x and a set of settings launches through Triton
     and keeps the three launches prepared (``common.Prepared``). Later eager calls with the same
-    key replay them as one CUDA graph (``_replayed``); inside a capture, into a caller's output
+    key replay them as one CUDA graph (``common.replayed``); inside a capture, into a caller's output
     or from x with rows not contiguous, they allocate and launch them again.
     """
     x2d = x.reshape(-1, x.shape[-1])
@@ -846,10 +835,14 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
            None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
     plan = packed.plans.get(key)
     if plan is not None:
-        if (out is None and x2d.stride(1) == 1 and x2d.stride(0) == x2d.shape[1]
-                and not torch.cuda.is_current_stream_capturing()):
-            y = _replayed(x2d, qw, packed, key, plan, cfg, norm, head_norm)
-        else:
+        y = None
+        if replayable(x2d, out):
+            # The graph fixes the norms' addresses: they are part of its key.
+            gkey = (key, None if norm is None else norm.weight.data_ptr(),
+                    None if head_norm is None else (head_norm.weight.data_ptr(), head_norm.blocks.data_ptr()))
+            y = replayed(packed.graphs, gkey, x2d, lambda: _parts(x2d, qw, plan[0], cfg),
+                         lambda *views: _run_plan(plan, cfg, *views, norm, head_norm))
+        if y is None:
             kx = input_columns(kp, cfg.halves)
             mk = partial_rows(m, cfg.block_tokens)
             xq = torch.empty((mk, kx), dtype=torch.float16, device=x.device)  # rows past m unwritten
@@ -882,47 +875,13 @@ def _run_plan(plan: tuple[int, Prepared, Prepared, Prepared], cfg: DecodeWgmmaCo
     pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
 
 
-def _replayed(x2d: torch.Tensor, qw: QuantizedWeight, packed: _Packed, key: tuple,
-              plan: tuple[int, Prepared, Prepared, Prepared], cfg: DecodeWgmmaConfig,
-              norm: RowNorm | None, head_norm: HeadNorm | None) -> torch.Tensor:
-    """A kept plan's call as one CUDA graph replay: x copied into the stream's arena, the three
-    kernels replayed from a graph captured over the arena on the key's second call, y copied
-    out. An eager call's host time is mostly Triton's three launches (docs/KERNELS.md, "Host
-    time of a call"); this makes them one graph launch and two copies. The copy in and the
-    fresh y keep the call's contract: any x of this layout, a y no later call overwrites. The
-    graph fixes the norms' addresses, so they are part of its key; x needs the layout the
-    arena's copy has (rows of in_features, unit stride), which the plan's strides then match."""
-    index = x2d.device.index
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    gkey = (key, stream, None if norm is None else norm.weight.data_ptr(),
-            None if head_norm is None else (head_norm.weight.data_ptr(), head_norm.blocks.data_ptr()))
-    replay = packed.graphs.get(gkey)
-    if replay is None or replay.generation != replay.arena.generation:
-        replay = packed.graphs[gkey] = _capture(x2d, qw, plan, cfg, norm, head_norm, stream)
-    replay.x.copy_(x2d)
-    replay.graph.replay()
-    return replay.y.clone()
-
-
-def _capture(x2d: torch.Tensor, qw: QuantizedWeight, plan: tuple[int, Prepared, Prepared, Prepared],
-             cfg: DecodeWgmmaConfig, norm: RowNorm | None, head_norm: HeadNorm | None, stream: int) -> _Replay:
-    """Capture a plan's three launches as a CUDA graph over views of the arena of (x's device,
-    ``stream``), on escha's capture stream (nothing runs during a capture)."""
+def _parts(x2d: torch.Tensor, qw: QuantizedWeight, segs: int, cfg: DecodeWgmmaConfig) -> list:
+    """The (shape, dtype) of a call's x, x', 2**-e, partials and y, for ``common.replayed``."""
     m, k = x2d.shape
     np_, kp = qw.padded_shape
     mk = partial_rows(m, cfg.block_tokens)
-    parts = [((m, k), x2d.dtype), ((mk, input_columns(kp, cfg.halves)), torch.float16), ((m,), torch.float32),
-             ((plan[0], mk, np_), torch.float32), ((m, qw.out_features), x2d.dtype)]
-    arena = stream_arena(x2d.device, stream, arena_bytes(parts))
-    xs, xq, inv, ws, y = arena_views(arena, parts)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(capture_stream(x2d.device.index)):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            _run_plan(plan, cfg, xs, xq, inv, ws, y, norm, head_norm)
-        finally:
-            graph.capture_end()
-    return _Replay(graph, arena, xs, y)
+    return [((m, k), x2d.dtype), ((mk, input_columns(kp, cfg.halves)), torch.float16), ((m,), torch.float32),
+            ((segs, mk, np_), torch.float32), ((m, qw.out_features), x2d.dtype)]
 
 
 def partial_rows(m: int, block_tokens: int) -> int:
