@@ -385,8 +385,13 @@ def arena_bytes(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
 @functools.cache
 def capture_stream(index: int) -> torch.cuda.Stream:
     """A stream of escha's own on device ``index`` to capture graphs on (a capture may not run on
-    the legacy default stream, where eager callers usually are)."""
+    the legacy default stream, where eager callers usually are), made once as torch.cuda.graph
+    makes its own. Captures on it hold ``_CAPTURE_LOCK``: two threads capturing at once on one
+    stream would merge their graphs."""
     return torch.cuda.Stream(torch.device("cuda", index))
+
+
+_CAPTURE_LOCK = threading.Lock()
 
 
 class Replay:
@@ -438,7 +443,7 @@ def replayed(graphs: dict, key: tuple, x2d: torch.Tensor, parts: Callable[[], li
         arena = stream_arena(x2d.device, stream, arena_bytes(tensors))
         views = arena_views(arena, tensors)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(capture_stream(index)):  # nothing runs during a capture
+        with _CAPTURE_LOCK, torch.cuda.stream(capture_stream(index)):  # nothing runs during a capture
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 launch(*views)
