@@ -365,7 +365,10 @@ def stream_arena(device: torch.device, stream: int, nbytes: int = 0) -> Arena:
     return arena
 
 
-def arena_views(arena: Arena, parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+Parts = list[tuple[tuple[int, ...], torch.dtype]]  # (shape, dtype) of each tensor laid in an arena
+
+
+def arena_views(arena: Arena, parts: Parts) -> list[torch.Tensor]:
     """Contiguous tensors of the given (shape, dtype) laid one after another in ``arena``'s
     buffer, each at a multiple of 256 bytes (TMA wants 16; 256 keeps every part's rows aligned
     alike); ``arena_bytes`` is the length they need."""
@@ -377,7 +380,7 @@ def arena_views(arena: Arena, parts: list[tuple[tuple[int, ...], torch.dtype]]) 
     return views
 
 
-def arena_bytes(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+def arena_bytes(parts: Parts) -> int:
     """The bytes ``arena_views`` takes for ``parts``."""
     return sum(-(-(math.prod(shape) * dtype.itemsize) // 256) * 256 for shape, dtype in parts)
 
@@ -417,7 +420,7 @@ def replayable(x2d: torch.Tensor, out: torch.Tensor | None) -> bool:
 MAX_GRAPHS = 8  # graphs one op keeps a weight: a decode loop needs one or two (its step, its prompt)
 
 
-def replayed(graphs: dict, key: tuple, x2d: torch.Tensor, parts: Callable[[], list[tuple[tuple[int, ...], torch.dtype]]],
+def replayed(graphs: dict, key: tuple, x2d: torch.Tensor, parts: Callable[[], Parts],
              launch: Callable[..., None]) -> torch.Tensor | None:
     """A kept plan's call as one CUDA graph replay: x copied into the current stream's arena, the
     graph replayed, y copied out. The graph is kept in ``graphs`` under ``key`` and the stream,

@@ -491,7 +491,8 @@ def _run_plan(plan: tuple, cfg: DecodeFp8Config, x2d: torch.Tensor, xq: torch.Te
     _, pin, pgemm, pout = plan
     rows, kp = xq.shape
     pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
-    pgemm.run(TensorDescriptor(xq, [rows, kp], [kp, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)), ws)
+    x_desc = TensorDescriptor(xq, [rows, kp], [kp, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
+    pgemm.run(x_desc, ws)
     pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
 
 
