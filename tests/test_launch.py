@@ -50,14 +50,15 @@ def _decode_cases():
     norm = RowNorm(torch.rand(1024, device=dev, dtype=torch.bfloat16) + 0.5, 1e-6)
     head = HeadNorm(torch.rand(512, device=dev, dtype=torch.bfloat16) + 0.5,
                     torch.tensor([1, 0, 1, 0], dtype=torch.int8, device=dev), 1e-6)
-    big = torch.randn(64 * 1024 + 8, device=dev, dtype=torch.bfloat16)
     return [
         ("M=1", lambda: torch.randn(1, 1024, device=dev, dtype=torch.bfloat16), {}),
         ("M=16 fp16", lambda: torch.randn(16, 1024, device=dev, dtype=torch.float16), {}),
         ("M=40 fp32", lambda: torch.randn(40, 1024, device=dev), {}),
         ("norms", lambda: torch.randn(3, 1024, device=dev, dtype=torch.bfloat16), {"norm": norm, "head_norm": head}),
         ("strided x", lambda: torch.randn(4, 2048, device=dev, dtype=torch.bfloat16)[:, ::2], {}),
-        ("misaligned x", lambda: big[1:1 + 8 * 1024].view(8, 1024).copy_(torch.randn(8, 1024)), {}),
+        # a fresh buffer each time: x' calls must not share memory
+        ("misaligned x", lambda: torch.randn(8 * 1024 + 8, device=dev, dtype=torch.bfloat16)[1:1 + 8 * 1024].view(8, 1024),
+         {}),
     ]
 
 
@@ -86,10 +87,19 @@ def test_decode_wgmma_plans_are_bit_for_bit_the_first_call():
         assert torch.equal(decode_wgmma(x2, qw, **kwargs), y2), label  # Triton's path again, same bits
 
 
+def _replays(graphs: dict):
+    """The graphs an op keeps for a weight, over every stream (common.replayed's dict)."""
+    return [r for kept in graphs.values() for r in kept.values() if r is not None]
+
+
+def _count(graphs: dict) -> int:
+    return len(_replays(graphs))
+
+
 @pytest.mark.gpu
 def test_decode_wgmma_replays_are_bit_for_bit_the_launches():
-    """From a key's second eager call on, the three launches are one CUDA graph replayed over
-    the stream's arena: fresh inputs give the bits of the same plan launched into a caller's
+    """From a key's second eager call on a stream on, the three launches are one CUDA graph
+    replayed over the stream's arena: fresh inputs give the bits of the same plan launched into a caller's
     output (which never replays), earlier results are not overwritten, a larger call grows the
     arena and the smaller key's graph is captured again, and calls inside a capture or on
     another stream do not replay this stream's graphs."""
@@ -109,38 +119,38 @@ def test_decode_wgmma_replays_are_bit_for_bit_the_launches():
         if label == "strided x":
             continue  # not the arena's layout: never replayed (checked below)
         decode_wgmma(make_x(), qw, **kwargs)  # the plan
-        graphs = len(packed.graphs)
+        graphs = _count(packed.graphs)
         xs = [make_x() for _ in range(3)]
-        ys = [decode_wgmma(x, qw, **kwargs) for x in xs]  # captured at the first, replayed after
-        assert len(packed.graphs) == graphs + 1, label
+        ys = [decode_wgmma(x, qw, **kwargs) for x in xs]  # noted, captured, replayed
+        assert _count(packed.graphs) == graphs + 1, label
         for x, y in zip(xs, ys):  # each result intact after the later calls
             assert torch.isfinite(y).all() and torch.equal(y, launched(x, **kwargs)), label
         assert len({y.data_ptr() for y in ys}) == 3, label
     strided = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)[:, ::2]
-    graphs = len(packed.graphs)
+    graphs = _count(packed.graphs)
     for _ in range(3):
         assert torch.equal(decode_wgmma(strided, qw), launched(strided))
-    assert len(packed.graphs) == graphs
+    assert _count(packed.graphs) == graphs
 
     stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
     arena = stream_arena(torch.device("cuda"), stream)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     decode_wgmma(x, qw)
-    replay = next(r for r in packed.graphs.values() if r.x.shape[0] == 1 and r.arena is arena)
+    replay = next(r for r in _replays(packed.graphs) if r.x.shape[0] == 1 and r.arena is arena)
     stream_arena(torch.device("cuda"), stream, arena.buffer.numel() + 1)  # as a larger weight's capture does
     assert arena.generation == replay.generation + 1
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(decode_wgmma(x, qw), launched(x))  # captured again over the new buffer
-    assert next(r for r in packed.graphs.values() if r.x.shape[0] == 1 and r.arena is arena).generation == arena.generation
+    assert next(r for r in _replays(packed.graphs) if r.x.shape[0] == 1 and r.arena is arena).generation == arena.generation
 
-    graphs = len(packed.graphs)
+    graphs = _count(packed.graphs)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
         y_captured = decode_wgmma(x, qw)  # inside a capture: the plan's launches, captured
     x.copy_(torch.randn(1, 1024))
     outer.replay()
-    assert torch.equal(y_captured, launched(x)) and len(packed.graphs) == graphs
+    assert torch.equal(y_captured, launched(x)) and _count(packed.graphs) == graphs
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -148,7 +158,7 @@ def test_decode_wgmma_replays_are_bit_for_bit_the_launches():
         for _ in range(3):
             y_side = decode_wgmma(x, qw)
     torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(y_side, launched(x)) and len(packed.graphs) == graphs + 1  # its own arena and graph
+    assert torch.equal(y_side, launched(x)) and _count(packed.graphs) == graphs + 1  # its own arena and graph
 
 
 @pytest.mark.gpu
@@ -170,15 +180,16 @@ def test_decode_fp8_replays_are_bit_for_bit_the_launches():
     norm = RowNorm(torch.rand(1024, device=dev, dtype=torch.bfloat16) + 0.5, 1e-6)
     head = HeadNorm(torch.rand(512, device=dev, dtype=torch.bfloat16) + 0.5,
                     torch.tensor([1, 0, 1, 0], dtype=torch.int8, device=dev), 1e-6)
-    big = torch.randn(200 * 1024 + 8, device=dev, dtype=torch.bfloat16)
     cases = [("M=100", lambda: torch.randn(100, 1024, device=dev, dtype=torch.bfloat16), {}),
              ("M=256 fp16", lambda: torch.randn(256, 1024, device=dev, dtype=torch.float16), {}),
              ("M=130 fp32", lambda: torch.randn(130, 1024, device=dev), {}),
              ("norms", lambda: torch.randn(70, 1024, device=dev, dtype=torch.bfloat16), {"norm": norm, "head_norm": head}),
-             ("misaligned x", lambda: big[1:1 + 200 * 1024].view(200, 1024).copy_(torch.randn(200, 1024)), {})]
+             ("misaligned x",  # a fresh buffer each time: the calls' inputs must not share memory
+              lambda: torch.randn(200 * 1024 + 8, device=dev, dtype=torch.bfloat16)[1:1 + 200 * 1024].view(200, 1024),
+              {})]
 
     def graphs() -> int:
-        return len(plans.get(_GRAPHS, {}))
+        return _count(plans.get(_GRAPHS, {}))
 
     def launched(x, **kwargs):  # the plan's own launches (a caller's output is never replayed)
         out = torch.full((x.shape[0], 512), float("nan"), device=dev, dtype=x.dtype)
@@ -189,7 +200,7 @@ def test_decode_fp8_replays_are_bit_for_bit_the_launches():
         y_first = decode_fp8(first, qw, **kwargs)  # through Triton: the plan
         before = graphs()
         xs = [make_x() for _ in range(3)]
-        ys = [decode_fp8(x, qw, **kwargs) for x in xs]  # captured at the first, replayed after
+        ys = [decode_fp8(x, qw, **kwargs) for x in xs]  # noted, captured, replayed
         assert graphs() == before + 1, label
         for x, y in zip([first] + xs, [y_first] + ys):
             assert torch.isfinite(y).all() and torch.equal(y, launched(x, **kwargs)), label
@@ -202,8 +213,8 @@ def test_decode_fp8_replays_are_bit_for_bit_the_launches():
 
 @pytest.mark.gpu
 def test_graphs_a_weight_keeps_are_bounded():
-    """A weight keeps at most MAX_GRAPHS graphs an op: past them, a new token count launches its
-    plan (same bits) instead of capturing one more graph."""
+    """A weight keeps at most MAX_GRAPHS graphs an op a stream: past them, a new token count
+    launches its plan (same bits) instead of capturing one more graph."""
     from escha.format import random_qweight
     from escha.kernels.common import MAX_GRAPHS
     from escha.kernels.decode_wgmma import _packed, decode_wgmma, runs_on
@@ -216,7 +227,15 @@ def test_graphs_a_weight_keeps_are_bounded():
             x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
             out = torch.empty((m, 256), device="cuda", dtype=torch.bfloat16)
             assert torch.equal(decode_wgmma(x, qw), decode_wgmma(x, qw, out=out))
-        assert len(graphs) == min(m, MAX_GRAPHS)
+        assert _count(graphs) == min(m, MAX_GRAPHS)
+    side = torch.cuda.Stream()  # the bound is a stream's: another stream keeps graphs of its own
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x = torch.randn(MAX_GRAPHS + 3, 512, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2):
+            y = decode_wgmma(x, qw)
+    torch.cuda.current_stream().wait_stream(side)
+    assert _count(graphs) == MAX_GRAPHS + 1 and torch.equal(y, decode_wgmma(x, qw, out=torch.empty_like(y)))
 
 
 def test_arena_views_are_aligned_and_apart():

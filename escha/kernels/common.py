@@ -417,17 +417,19 @@ def replayable(x2d: torch.Tensor, out: torch.Tensor | None) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-MAX_GRAPHS = 8  # graphs one op keeps a weight: a decode loop needs one or two (its step, its prompt)
+MAX_GRAPHS = 8  # graphs one op keeps a weight a stream: a decode loop needs one or two (its step, its prompt)
 
 
 def replayed(graphs: dict, key: tuple, x2d: torch.Tensor, parts: Callable[[], Parts],
              launch: Callable[..., None]) -> torch.Tensor | None:
     """A kept plan's call as one CUDA graph replay: x copied into the current stream's arena, the
-    graph replayed, y copied out. The graph is kept in ``graphs`` under ``key`` and the stream,
-    and captured on its first call, or again once the arena has grown (``stream_arena``). None,
-    with nothing run, when ``graphs`` already holds MAX_GRAPHS others: a caller whose token count
-    changes every call (a server's batch) would otherwise keep a graph for every count, so calls
-    past the first MAX_GRAPHS keys launch their plans instead.
+    graph replayed, y copied out. The graph is kept in ``graphs`` by stream and ``key``, and
+    captured on the key's second call on the stream, or again once the arena has grown
+    (``stream_arena``). None, with nothing run, on the key's first call on a stream (a warm-up on
+    a side stream, as before a capture, then makes no graph and no arena there) and when
+    ``graphs`` already holds MAX_GRAPHS others of the stream (a caller whose token count changes
+    every call, a server's batch, would otherwise keep a graph for every count): the caller then
+    launches its plan.
     ``parts()`` lists the call's tensors, x first and y last (``arena_views``); ``launch(*views)``
     launches the plan's kernels over them. ``key`` must fix everything the launches read besides
     the views (the norms' addresses among them: the graph keeps them).
@@ -437,10 +439,16 @@ def replayed(graphs: dict, key: tuple, x2d: torch.Tensor, parts: Callable[[], Pa
     fresh y keep the call's contract: any x of this layout, a y no later call overwrites."""
     index = x2d.device.index
     stream = torch._C._cuda_getCurrentRawStream(index)
-    gkey = (key, stream)
-    replay = graphs.get(gkey)
-    if replay is None and len(graphs) >= MAX_GRAPHS:
-        return None
+    kept_here = graphs.get(stream)
+    if kept_here is None:
+        kept_here = graphs[stream] = {}
+    replay = kept_here.get(key)
+    if replay is None:
+        if key not in kept_here:  # its first call here: noted (None), not captured
+            kept_here[key] = None
+            return None
+        if sum(r is not None for r in kept_here.values()) >= MAX_GRAPHS:
+            return None
     if replay is None or replay.generation != replay.arena.generation:
         tensors = parts()
         arena = stream_arena(x2d.device, stream, arena_bytes(tensors))
@@ -452,7 +460,7 @@ def replayed(graphs: dict, key: tuple, x2d: torch.Tensor, parts: Callable[[], Pa
                 launch(*views)
             finally:
                 graph.capture_end()
-        replay = graphs[gkey] = Replay(graph, arena, views[0], views[-1])
+        replay = kept_here[key] = Replay(graph, arena, views[0], views[-1])
     replay.x.copy_(x2d)
     replay.graph.replay()
     return replay.y.clone()

@@ -131,7 +131,7 @@ class _Packed:
         self.descs = {f: TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8 * f, BLOCK_K], WORDS_SMEM_LAYOUT)
                       for f in (1, 2)}
         self.plans: dict[tuple, tuple[int, Prepared, Prepared, Prepared]] = {}
-        self.graphs: dict[tuple, Replay] = {}
+        self.graphs: dict[int, dict[tuple, Replay]] = {}  # by stream, then key (common.replayed)
 
 
 _PACKED: dict[int, _Packed] = {}
