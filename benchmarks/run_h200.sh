@@ -168,7 +168,8 @@
 # PHASE "replay":  eager calls with decode_wgmma's kept plans replayed as CUDA graphs (_replayed) against
 #                  the tree in REPLAY_BASE (default .base: a copy of the commit before, its escha/
 #                  and benchmarks/, `git archive REV escha benchmarks | tar -x -C .base`): the GPU tests
-#                  of the plans, of decode_fp8 and of transformers' generate (eager and static), memcheck
+#                  of the plans, of decode_fp8 and of transformers' generate (eager and static; REPLAY_TESTS
+#                  names others), memcheck
 #                  and racecheck of the replay tests, then bench_host.py (REPLAY_MS) and
 #                  probe_eager_step.py (REPLAY_LAYERS, default 12) for each tree, one process a tree,
 #                  one after the other on the same machine, base first.
@@ -488,8 +489,8 @@ case "$phase" in
     ;;
   replay)
     base=${REPLAY_BASE:-.base}
-    step gpu_tests 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py tests/test_hf.py \
-      tests/test_decode_fp8.py
+    step gpu_tests 240 python -m pytest -q -m gpu -p no:cacheprovider ${REPLAY_TESTS:-tests/test_launch.py tests/test_hf.py \
+      tests/test_decode_fp8.py}
     for tool in memcheck racecheck; do
       step "sanitize_replay_$tool" 120 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
         python -m pytest -q -m gpu -p no:cacheprovider tests/test_launch.py -k "replays or bounded"
