@@ -351,8 +351,10 @@ ARENA_MIN_BYTES = 1 << 20  # sizes are powers of two from here, so a model grows
 
 def stream_arena(device: torch.device, stream: int, nbytes: int = 0) -> Arena:
     """The arena of (``device``, raw ``stream``), made at least ``nbytes`` long: a new, larger
-    buffer and generation if the current one is shorter (memory from ``kept``; the old buffer is
-    freed in stream order, as any tensor)."""
+    buffer and generation if the current one is shorter (memory from ``kept``). The old buffer
+    lives on while a graph captured over it does (its x and y are views of it): each such graph
+    is captured again over the new buffer on its next call, and the old one is freed, in stream
+    order, once the last of them is."""
     key = (cuda_device(device).index, stream)
     arena = _ARENAS.get(key)
     if arena is None:
