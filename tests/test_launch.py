@@ -297,6 +297,38 @@ class _Recorder:
         return lambda *args: self.calls.append((grid, args))
 
 
+def test_run_kept_launches_the_three_over_fresh_tensors_of_its_parts():
+    """Where a call is not replayed (here: into a caller's out), ``run_kept`` allocates x', 2**-e
+    and the partials as ``parts`` lists them and hands each launch its slots in order: x, x', 2**-e
+    and the norm's weight; x''s operand and the partials; the partials, y, 2**-e and the head norm's
+    weight and flags (y twice without one)."""
+    from escha.kernels.common import Prepared
+    from escha.kernels.transforms import KeptPlan, run_kept
+    from escha.norm import HeadNorm, RowNorm
+    recs = [_Recorder() for _ in range(3)]
+    plan = KeptPlan(3, *(Prepared(r, (1,), [None] * n, slots=tuple(range(n))) for r, n in zip(recs, (4, 2, 5))))
+    x2d = torch.randn(5, 256)
+    parts = [((5, 256), x2d.dtype), ((16, 384), torch.float16), ((5,), torch.float32), ((3, 16, 512), torch.float32),
+             ((5, 500), x2d.dtype)]
+    for norm, head_norm in ((None, None), (RowNorm(torch.randn(256), 1e-6),
+                                           HeadNorm(torch.randn(512), torch.ones(4, dtype=torch.int8), 1e-6))):
+        for r in recs:
+            r.calls.clear()
+        out = torch.full((5, 500), float("nan"))
+        y = run_kept(plan, ("k",), {}, x2d, out, norm, head_norm, lambda: parts, lambda xq: ("operand", xq))
+        assert y is out
+        (_, (x_, xq, inv, nw)), = recs[0].calls
+        (_, ((tag, xq_g), ws)), = recs[1].calls
+        (_, (ws_o, y_o, inv_o, hw, hb)), = recs[2].calls
+        assert x_ is x2d and nw is (x2d if norm is None else norm.weight)
+        assert (xq.shape, xq.dtype, inv.shape, inv.dtype, ws.shape, ws.dtype) == (
+            (16, 384), torch.float16, (5,), torch.float32, (3, 16, 512), torch.float32)
+        assert tag == "operand" and xq_g is xq and ws_o is ws and y_o is out and inv_o is inv
+        assert (hw, hb) == ((out, out) if head_norm is None else (head_norm.weight, head_norm.blocks))
+    with pytest.raises(ValueError, match="out must be"):
+        run_kept(plan, ("k",), {}, x2d, torch.empty(5, 499), None, None, lambda: parts, lambda xq: xq)
+
+
 def test_prepared_holds_weak_arguments_by_reference_only():
     import weakref
     from escha.kernels.common import Prepared

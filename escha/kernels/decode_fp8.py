@@ -51,14 +51,10 @@ from .common import (
     DECODE_FP8_SCALE_LOG2,
     FP8_DTYPE,
     Prepared,
-    check_codebook,
-    check_operands,
     dependent_launch_supported,
     device_constant,
     output_tensor,
     prepare,
-    replayable,
-    replayed,
     weight_plans,
 )
 from .decode_wgmma import (
@@ -67,7 +63,6 @@ from .decode_wgmma import (
     BLOCK_K,
     FRAGMENT_ROWS,
     HOPPER_SMS,
-    SUPPORTED_BITS,
     _grid_dependency,
     _iota,
     _most_segments,
@@ -77,11 +72,12 @@ from .decode_wgmma import (
     _state_values_x16,
     _states,
     _word_row,
+    check_call,
     permute_blocks,
-    runs_on,
     segment_counts,
+    x_descriptor,
 )
-from .transforms import prepare_input, prepare_output
+from .transforms import KeptPlan, plan_key, prepare_input, prepare_output, run_kept
 from .triton_compat import cta_barrier, tma_async_load
 
 MAX_TOKENS = 256  # wgmma N: tokens per program at most
@@ -413,11 +409,7 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     ``transforms.hadamard_output`` (their sum, Hn, the row scales, 2**-e / 16). Accuracy is the
     fp8 paths' (e4m3 weights and activations).
     """
-    check_operands(x, qw, "decode_fp8")
-    check_codebook(qw, "decode_fp8")
-    if not runs_on(x.device, qw.bits):
-        raise ValueError(f"decode_fp8 runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
-                         f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
+    check_call(x, qw, "decode_fp8")
     return _launch(x, qw, config, out, norm, head_norm)
 
 
@@ -431,40 +423,21 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
     off the GPU).
 
     As ``decode_wgmma``'s: the first call of a weight, a layout of x and a set of settings
-    launches through Triton and keeps the three launches prepared (in ``common.weight_plans``).
-    Later eager calls with the same key replay them as one CUDA graph (``common.replayed``);
-    inside a capture, into a caller's output or from x with rows not contiguous, they allocate
-    and launch them again.
+    launches through Triton and keeps the three launches prepared (a ``transforms.KeptPlan`` in
+    ``common.weight_plans``); later calls with the same key run them again
+    (``transforms.run_kept``: eager ones as one CUDA graph).
     """
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
-    np_, kp = qw.padded_shape
     rows = triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens  # x' in whole token blocks: no TMA box reaches past it
     plans = weight_plans(qw)
-    # Everything the prepared launches fixed: the weight's other tensors, x's dtype, strides and
-    # alignment, the configuration, the norms and a caller's output buffer.
-    key = ("decode_fp8", id(qw.su), id(qw.sv), id(qw.scale), id(qw.gscale), m, x2d.dtype, x2d.stride(0),
-           x2d.stride(1), x2d.data_ptr() % 16 == 0, cfg,
-           None if norm is None else (norm.weight.dtype, norm.weight.data_ptr() % 16 == 0, norm.eps),
-           None if head_norm is None else (head_norm.weight.dtype, head_norm.weight.data_ptr() % 16 == 0,
-                                           head_norm.blocks.data_ptr() % 16 == 0, head_norm.eps),
-           None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
+    key = plan_key("decode_fp8", qw, x2d, cfg, norm, head_norm, out)
     plan = plans.get(key)
     if plan is not None:
-        y = None
-        if replayable(x2d, out):
-            # The graph fixes the norms' addresses: they are part of its key.
-            gkey = (key, None if norm is None else norm.weight.data_ptr(),
-                    None if head_norm is None else (head_norm.weight.data_ptr(), head_norm.blocks.data_ptr()))
-            y = replayed(plans.setdefault(_GRAPHS, {}), gkey, x2d, lambda: _parts(x2d, qw, plan[0], rows),
-                         lambda *views: _run_plan(plan, cfg, *views, norm, head_norm))
-        if y is None:
-            xq = torch.empty((rows, kp), dtype=FP8_DTYPE, device=x.device)  # rows past m unwritten
-            inv = torch.empty((m,), dtype=torch.float32, device=x.device)
-            ws = torch.empty((plan[0], m, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
-            y = output_tensor(x, m, qw.out_features, out)
-            _run_plan(plan, cfg, x2d, xq, inv, ws, y, norm, head_norm)
+        layout = x_smem_layout(cfg.block_tokens)
+        y = run_kept(plan, key, plans.setdefault(_GRAPHS, {}), x2d, out, norm, head_norm,
+                     lambda: _parts(x2d, qw, plan.segments, rows), lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
         return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, fp8=True,
@@ -473,27 +446,16 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
     y = output_tensor(x, m, qw.out_features, out)
     pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts)
     if pin is not None and pgemm is not None and pout is not None:
-        plans[key] = (ws.shape[0], pin, pgemm, pout)
+        plans[key] = KeptPlan(ws.shape[0], pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
 def _parts(x2d: torch.Tensor, qw: QuantizedWeight, segs: int, rows: int) -> list:
-    """The (shape, dtype) of a call's x, x', 2**-e, partials and y, for ``common.replayed``."""
+    """The (shape, dtype) of a call's x, x', 2**-e, partials and y (``transforms.run_kept``)."""
     m, k = x2d.shape
     np_, kp = qw.padded_shape
     return [((m, k), x2d.dtype), ((rows, kp), FP8_DTYPE), ((m,), torch.float32), ((segs, m, np_), torch.float32),
             ((m, qw.out_features), x2d.dtype)]
-
-
-def _run_plan(plan: tuple, cfg: DecodeFp8Config, x2d: torch.Tensor, xq: torch.Tensor, inv: torch.Tensor,
-              ws: torch.Tensor, y: torch.Tensor, norm: RowNorm | None, head_norm: HeadNorm | None) -> None:
-    """Launch a kept plan's three kernels over the given x, x', 2**-e, partials and y."""
-    _, pin, pgemm, pout = plan
-    rows, kp = xq.shape
-    pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
-    x_desc = TensorDescriptor(xq, [rows, kp], [kp, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
-    pgemm.run(x_desc, ws)
-    pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
 
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,

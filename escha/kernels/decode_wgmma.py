@@ -57,9 +57,8 @@ from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, Replay, check_codebook, check_operands, dependent_launch_supported,
-                     device_capability, device_constant, interpreted, kept, output_tensor, prepare, replayable,
-                     replayed)
-from .transforms import input_columns, prepare_input, prepare_output
+                     device_capability, device_constant, interpreted, kept, output_tensor, prepare)
+from .transforms import KeptPlan, input_columns, plan_key, prepare_input, prepare_output, run_kept
 from .triton_compat import smem_reinterpret, tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
@@ -130,7 +129,7 @@ class _Packed:
         # One TMA box a step: a tile's fragments are 8 consecutive rows each (pack_words' order).
         self.descs = {f: TensorDescriptor.from_tensor(words.view(-1, BLOCK_K), [8 * f, BLOCK_K], WORDS_SMEM_LAYOUT)
                       for f in (1, 2)}
-        self.plans: dict[tuple, tuple[int, Prepared, Prepared, Prepared]] = {}
+        self.plans: dict[tuple, KeptPlan] = {}  # by transforms.plan_key
         self.graphs: dict[int, dict[tuple, Replay]] = {}  # by stream, then key (common.replayed)
 
 
@@ -802,12 +801,18 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
     dtype with unit column stride. ``norm`` (weight of x's dtype) is applied to x first, in the
     input transform: norm(x) @ W_hat^T; ``head_norm`` to the output's heads, in the output transform.
     """
-    check_operands(x, qw, "decode_wgmma")
-    check_codebook(qw, "decode_wgmma")
-    if not runs_on(x.device, qw.bits):
-        raise ValueError(f"decode_wgmma runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
-                         f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
+    check_call(x, qw, "decode_wgmma")
     return _launch(x, qw, config, out, norm, head_norm)
+
+
+def check_call(x: torch.Tensor, qw: QuantizedWeight, op: str) -> None:
+    """A decode op's checks of its operands (``op`` names it in the one-line errors): the common
+    ones, the 3INST codebook, and a Hopper GPU for a supported K."""
+    check_operands(x, qw, op)
+    check_codebook(qw, op)
+    if not runs_on(x.device, qw.bits):
+        raise ValueError(f"{op} runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
+                         f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
 
 
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None,
@@ -816,40 +821,21 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     """Allocate and launch (operands already checked; compile_check calls it off the GPU).
 
     The first call for a weight, a layout of x and a set of settings launches through Triton
-    and keeps the three launches prepared (``common.Prepared``). Later eager calls with the same
-    key replay them as one CUDA graph (``common.replayed``); inside a capture, into a caller's output
-    or from x with rows not contiguous, they allocate and launch them again.
+    and keeps the three launches prepared (``transforms.KeptPlan``). Later calls with the same
+    key run them again (``transforms.run_kept``): eager calls replay them as one CUDA graph;
+    inside a capture, into a caller's output or from x with rows not contiguous, they allocate and
+    launch them again.
     """
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_wgmma_config(qw, m, x.device)
-    np_, kp = qw.padded_shape
     packed = _packed(qw)
-    # Everything the prepared launches fixed: the weight's other tensors, x's dtype, strides and
-    # alignment, the configuration, the norms and a caller's output buffer.
-    key = (id(qw.su), id(qw.sv), id(qw.scale), id(qw.gscale), m, x2d.dtype, x2d.stride(0), x2d.stride(1),
-           x2d.data_ptr() % 16 == 0, cfg,
-           None if norm is None else (norm.weight.dtype, norm.weight.data_ptr() % 16 == 0, norm.eps),
-           None if head_norm is None else (head_norm.weight.dtype, head_norm.weight.data_ptr() % 16 == 0,
-                                           head_norm.blocks.data_ptr() % 16 == 0, head_norm.eps),
-           None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
+    key = plan_key("decode_wgmma", qw, x2d, cfg, norm, head_norm, out)
     plan = packed.plans.get(key)
     if plan is not None:
-        y = None
-        if replayable(x2d, out):
-            # The graph fixes the norms' addresses: they are part of its key.
-            gkey = (key, None if norm is None else norm.weight.data_ptr(),
-                    None if head_norm is None else (head_norm.weight.data_ptr(), head_norm.blocks.data_ptr()))
-            y = replayed(packed.graphs, gkey, x2d, lambda: _parts(x2d, qw, plan[0], cfg),
-                         lambda *views: _run_plan(plan, cfg, *views, norm, head_norm))
-        if y is None:
-            kx = input_columns(kp, cfg.halves)
-            mk = partial_rows(m, cfg.block_tokens)
-            xq = torch.empty((mk, kx), dtype=torch.float16, device=x.device)  # rows past m unwritten
-            inv = torch.empty((m,), dtype=torch.float32, device=x.device)
-            ws = torch.empty((plan[0], mk, np_), dtype=torch.float32, device=x.device)  # no zeroing: counts
-            y = output_tensor(x, m, qw.out_features, out)
-            _run_plan(plan, cfg, x2d, xq, inv, ws, y, norm, head_norm)
+        layout = x_smem_layout(cfg.block_tokens)
+        y = run_kept(plan, key, packed.graphs, x2d, out, norm, head_norm,
+                     lambda: _parts(x2d, qw, plan.segments, cfg), lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
         return y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
@@ -860,23 +846,19 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     pout = prepare_output(ws, qw, inv, y, dependent_launch=pdl, head_norm=head_norm, segments=counts,
                           shape=cfg.output_shape)
     if pin is not None and pgemm is not None and pout is not None:
-        packed.plans[key] = (ws.shape[0], pin, pgemm, pout)
+        packed.plans[key] = KeptPlan(ws.shape[0], pin, pgemm, pout)
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
-def _run_plan(plan: tuple[int, Prepared, Prepared, Prepared], cfg: DecodeWgmmaConfig, x2d: torch.Tensor,
-              xq: torch.Tensor, inv: torch.Tensor, ws: torch.Tensor, y: torch.Tensor,
-              norm: RowNorm | None, head_norm: HeadNorm | None) -> None:
-    """Launch a kept plan's three kernels over the given x, x', 2**-e, partials and y."""
-    _, pin, pgemm, pout = plan
-    mk, kx = xq.shape
-    pin.run(x2d, xq, inv, x2d if norm is None else norm.weight)
-    pgemm.run(TensorDescriptor(xq, [mk, kx], [kx, 1], [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens)), ws)
-    pout.run(ws, y, inv, *((y, y) if head_norm is None else (head_norm.weight, head_norm.blocks)))
+def x_descriptor(xq: torch.Tensor, block_tokens: int, layout: gl.NVMMASharedLayout) -> TensorDescriptor:
+    """A decode GEMM's TMA descriptor of x' [rows, columns] (contiguous): boxes of a token block
+    by one k-block, landing in shared memory as ``layout``."""
+    rows, cols = xq.shape
+    return TensorDescriptor(xq, [rows, cols], [cols, 1], [block_tokens, BLOCK_K], layout)
 
 
 def _parts(x2d: torch.Tensor, qw: QuantizedWeight, segs: int, cfg: DecodeWgmmaConfig) -> list:
-    """The (shape, dtype) of a call's x, x', 2**-e, partials and y, for ``common.replayed``."""
+    """The (shape, dtype) of a call's x, x', 2**-e, partials and y (``transforms.run_kept``)."""
     m, k = x2d.shape
     np_, kp = qw.padded_shape
     mk = partial_rows(m, cfg.block_tokens)

@@ -15,6 +15,8 @@ so the only cost is fp16's own rounding of x' (unit roundoff 2**-11).
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -22,9 +24,10 @@ import triton.language as tl
 from ..format.qweight import QuantizedWeight
 from ..format.spec import HAD_BLOCK
 from ..norm import HeadNorm, RowNorm
-from .common import (DECODE_FP8_SCALE_LOG2, FP8_DTYPE, INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Prepared, constant_vector,
-                     dot_dtype, hadamard128, hadamard_operand, interpreted, load_hadamard, prepare, release_dependents,
-                     round_to, row_scale_block, row_sum128, wait_for_producer)
+from .common import (DECODE_FP8_SCALE_LOG2, FP8_DTYPE, INV_SQRT_HAD, SQRT_HAD, TL_DTYPES, Parts, Prepared,
+                     constant_vector, dot_dtype, hadamard128, hadamard_operand, interpreted, load_hadamard, output_tensor,
+                     prepare, release_dependents, replayable, replayed, round_to, row_scale_block, row_sum128,
+                     wait_for_producer)
 
 #: The per-call tensors of the prepared transform launches (prepare_input, prepare_output).
 INPUT_SLOTS = ("x_ptr", "xq_ptr", "inv_ptr", "nw_ptr")
@@ -433,6 +436,59 @@ def prepare_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor
     return prepare(_output_hadamard_kernel, grid, *args, slots=("z_ptr", "y_ptr") if keep else None, BM=bm,
                    DOT_DTYPE=ddt, num_warps=4)
 
+
+
+# -- A call's three launches kept ----------------------------------------------------------------
+class KeptPlan(NamedTuple):
+    """The three launches of a decode call, kept prepared: ``prepare_input``'s, the GEMM's (its
+    per-call arguments: x''s operand and the partials) and ``prepare_output``'s; ``segments`` is
+    the partials' first dimension."""
+    segments: int
+    input: Prepared
+    gemm: Prepared
+    output: Prepared
+
+
+def plan_key(op: str, qw: QuantizedWeight, x2d: torch.Tensor, config: object, norm: RowNorm | None,
+             head_norm: HeadNorm | None, out: torch.Tensor | None) -> tuple:
+    """The key of a call's ``KeptPlan``: everything its prepared launches fixed (the op, the
+    weight's other tensors, x's dtype, strides and alignment, the configuration, the norms'
+    dtypes, alignment and eps, a caller's output buffer's stride and alignment)."""
+    return (op, id(qw.su), id(qw.sv), id(qw.scale), id(qw.gscale), x2d.shape[0], x2d.dtype, x2d.stride(0),
+            x2d.stride(1), x2d.data_ptr() % 16 == 0, config,
+            None if norm is None else (norm.weight.dtype, norm.weight.data_ptr() % 16 == 0, norm.eps),
+            None if head_norm is None else (head_norm.weight.dtype, head_norm.weight.data_ptr() % 16 == 0,
+                                            head_norm.blocks.data_ptr() % 16 == 0, head_norm.eps),
+            None if out is None else (out.stride(0), out.data_ptr() % 16 == 0))
+
+
+def run_kept(plan: KeptPlan, key: tuple, graphs: dict, x2d: torch.Tensor, out: torch.Tensor | None,
+             norm: RowNorm | None, head_norm: HeadNorm | None, parts: Callable[[], Parts],
+             x_operand: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """y [M, out_features] of a call whose launches ``plan`` keeps under ``key`` (``plan_key``).
+
+    Eager calls replay the plan as one CUDA graph kept in ``graphs`` (``common.replayed``); inside
+    a capture, into a caller's ``out``, from x with rows not contiguous, on a key's first call on
+    a stream or past the graphs' bound, the three launches run again over fresh tensors.
+    ``parts()`` lists the call's x, x', 2**-e, partials and y (``common.replayed``);
+    ``x_operand(x')`` is the GEMM's argument for x' (a TMA descriptor)."""
+    def launch(x_, xq, inv, ws, y_):
+        plan.input.run(x_, xq, inv, x_ if norm is None else norm.weight)
+        plan.gemm.run(x_operand(xq), ws)
+        plan.output.run(ws, y_, inv, *((y_, y_) if head_norm is None else (head_norm.weight, head_norm.blocks)))
+
+    if replayable(x2d, out):
+        # The graph fixes the norms' addresses: they are part of its key.
+        gkey = (key, None if norm is None else norm.weight.data_ptr(),
+                None if head_norm is None else (head_norm.weight.data_ptr(), head_norm.blocks.data_ptr()))
+        y = replayed(graphs, gkey, x2d, parts, launch)
+        if y is not None:
+            return y
+    _, xq_part, inv_part, ws_part, (y_shape, _) = parts()
+    xq, inv, ws = (torch.empty(shape, dtype=dtype, device=x2d.device) for shape, dtype in (xq_part, inv_part, ws_part))
+    y = output_tensor(x2d, y_shape[0], y_shape[1], out)
+    launch(x2d, xq, inv, ws, y)  # x' rows past M and the partials left unwritten: the counts say which
+    return y
 
 # -- Why the launch shapes are what they are -----------------------------------------------------
 # Measured on one H200 (torch 2.11+cu130, triton 3.6.0), the whole register-operand decode call in
