@@ -108,7 +108,9 @@ class PathOp:
     when given, narrows where it runs further; ``fuses_norm``: ``run(x, qw, norm=...)`` applies a
     RowNorm to x in its own input transform (the other paths get x normalised first);
     ``fuses_head_norm``: ``run(x, qw, head_norm=...)`` applies a HeadNorm to y in its output
-    transform (the other paths' y goes through it after).
+    transform (the other paths' y goes through it after). ``launch``, when given, is ``run``
+    without the argument checks ``escha.matmul`` has made by then (same arguments, same result):
+    an eager decode call's host time is what its checks and launches cost.
     """
 
     run: Callable[..., torch.Tensor]
@@ -117,6 +119,7 @@ class PathOp:
     runs_on: Callable[[torch.device, int], bool] | None = None
     fuses_norm: bool = False  # run(x, qw, norm=RowNorm) applies the norm in its input transform
     fuses_head_norm: bool = False  # run(x, qw, head_norm=HeadNorm) applies it in its output transform
+    launch: Callable[..., torch.Tensor] | None = None  # run on checked arguments
 
     def available(self, device: torch.device, bits: int, m: int, kernels: bool) -> bool:
         """Whether this op can run M rows of a K=bits weight on ``device``."""
@@ -129,24 +132,32 @@ def dispatch_table() -> dict[KernelPath, PathOp]:
     """The dispatch table: path -> op (built on first use, which imports the kernels)."""
     from .kernels import decode, dequant_bf16, dequant_core_bf16, dequant_core_fp8, dequant_fp8, prefill
     from .kernels.decode import MAX_DECODE_M
-    from .kernels.decode_fp8 import decode_fp8
-    from .kernels.decode_wgmma import decode_wgmma, runs_on
+    from .kernels.decode_fp8 import decode_fp8, launch_checked as decode_fp8_checked
+    from .kernels.decode_wgmma import decode_wgmma, launch_checked as decode_wgmma_checked, runs_on
     return {
         KernelPath.REFERENCE: PathOp(reference, kernel=False),
         KernelPath.DECODE: PathOp(decode, max_m=MAX_DECODE_M, fuses_norm=True, fuses_head_norm=True),
-        KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on, fuses_norm=True, fuses_head_norm=True),
+        KernelPath.DECODE_WGMMA: PathOp(decode_wgmma, runs_on=runs_on, fuses_norm=True, fuses_head_norm=True,
+                                        launch=decode_wgmma_checked),
         KernelPath.PREFILL: PathOp(prefill, fuses_norm=True),
         KernelPath.DEQUANT_FP8: PathOp(dequant_fp8, fuses_norm=True),
         KernelPath.DEQUANT_CORE_FP8: PathOp(dequant_core_fp8, fuses_norm=True),
         KernelPath.DEQUANT_BF16: PathOp(dequant_bf16, fuses_norm=True),
         KernelPath.DEQUANT_CORE_BF16: PathOp(dequant_core_bf16, fuses_norm=True),
-        KernelPath.DECODE_FP8: PathOp(decode_fp8, runs_on=runs_on, fuses_norm=True, fuses_head_norm=True),
+        KernelPath.DECODE_FP8: PathOp(decode_fp8, runs_on=runs_on, fuses_norm=True, fuses_head_norm=True,
+                                      launch=decode_fp8_checked),
     }
 
 
 def _kernels_run_on(device: torch.device) -> bool:
+    return _kernels_common().kernels_run_on(device)
+
+
+@functools.cache
+def _kernels_common():
+    """escha.kernels.common, imported on first use (an import statement costs every call its time)."""
     from .kernels import common
-    return common.kernels_run_on(device)
+    return common
 
 
 @dataclass(frozen=True)
@@ -356,7 +367,7 @@ def _out_dtype(x: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.dtype
 def _product(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None, precision: Precision | str,
              rule: DispatchRule, norm: RowNorm | None, head: HeadNorm | None) -> torch.Tensor:
     """The work of escha.matmul on checked arguments: pick the path, run it, apply what it did not fuse."""
-    x2d = x.reshape(-1, qw.in_features)
+    x2d = x if x.dim() == 2 else x.reshape(-1, qw.in_features)
     m = x2d.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], qw.out_features), dtype=_out_dtype(x, None if norm is None else norm.weight))
@@ -369,10 +380,28 @@ def _product(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None
             x2d = norm.apply(x2d)
     if head is not None and op.fuses_head_norm and head.fusable(x2d):  # y has x2d's dtype and device
         kwargs["head_norm"], head = head, None
-    y = op.run(x2d, qw, **kwargs)
+    # A path the rule chose can run here (dispatch_table's ``available``) on operands matmul has
+    # checked: its launch skips the op's own checks. A path asked for by name runs with them.
+    y = (op.launch or op.run if path is None else op.run)(x2d, qw, **kwargs)
     if head is not None:
         y = head.apply(y)
-    return y.reshape(*x.shape[:-1], qw.out_features)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], qw.out_features)
+
+
+def _check_call(x: object, qw: object, norm: object, head_norm: object) -> None:
+    """matmul's checks of its operands and norms (the paths' launches check none of them)."""
+    check_inputs(x, qw)
+    if norm is not None and not isinstance(norm, RowNorm):
+        raise TypeError(f"norm must be an escha.RowNorm, got {type(norm).__name__}")
+    if norm is not None and (norm.weight.shape[0] != qw.in_features or norm.weight.device != x.device):
+        raise ValueError(f"the norm's weight must be [{qw.in_features}] on {x.device}, got "
+                         f"{list(norm.weight.shape)} on {norm.weight.device}")
+    if head_norm is not None and not isinstance(head_norm, HeadNorm):
+        raise TypeError(f"head_norm must be an escha.norm.HeadNorm, got {type(head_norm).__name__}")
+    if head_norm is not None and head_norm.weight.shape[0] != qw.padded_shape[0]:  # HeadNorm checks its flags
+        np_ = qw.padded_shape[0]
+        raise ValueError(f"the head norm must have [{np_}] row weights and [{np_ // HEAD}] block flags, got "
+                         f"{list(head_norm.weight.shape)} and {list(head_norm.blocks.shape)}")
 
 
 def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
@@ -385,13 +414,17 @@ def _matmul_impl(x: torch.Tensor, *args) -> torch.Tensor:
     qw = QuantizedWeight.trusted(tensors, (out_features, in_features), bits, codebook_id)
     norm = None if norm_weight is None else RowNorm(norm_weight, norm_eps)
     head = None if head_weight is None else HeadNorm(head_weight, head_blocks, head_eps)
+    _check_call(x, qw, norm, head)  # the op may be called by name, without matmul's checks
     return _product(x, qw, None if path == _AUTO else _PATHS[path], _PRECISIONS[precision], rule, norm, head)
 
 
-def _plain(t: torch.Tensor | None) -> bool:
-    """A tensor no subclass, tracer or autograd needs to see (or no tensor)."""
-    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter)
-                         and not (t.requires_grad and torch.is_grad_enabled()))
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(t: torch.Tensor | None, grad: bool) -> bool:
+    """A tensor no subclass, tracer or autograd needs to see (or no tensor); ``grad``:
+    ``torch.is_grad_enabled()``."""
+    return t is None or (type(t) in _PLAIN_TYPES and not (grad and t.requires_grad))
 
 
 def _direct(x: torch.Tensor, qw: QuantizedWeight, norm: RowNorm | None, head_norm: HeadNorm | None) -> bool:
@@ -405,8 +438,9 @@ def _direct(x: torch.Tensor, qw: QuantizedWeight, norm: RowNorm | None, head_nor
             or torch._C._are_functorch_transforms_active()  # vmap's tensors look plain
             or torch.jit.is_tracing()):  # a trace records ops, not kernel launches
         return False
-    return (_plain(x) and all(_plain(t) for t in qw.tensors().values())
-            and (norm is None or _plain(norm.weight)) and (head_norm is None or _plain(head_norm.weight)))
+    grad = torch.is_grad_enabled()
+    return (_plain(x, grad) and all(_plain(getattr(qw, name), grad) for name in TENSOR_NAMES)
+            and (norm is None or _plain(norm.weight, grad)) and (head_norm is None or _plain(head_norm.weight, grad)))
 
 
 def _matmul_fake(x: torch.Tensor, *args) -> torch.Tensor:
@@ -598,20 +632,9 @@ def matmul(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None =
     fp32 math, in x's dtype), through ``RowNorm.apply`` and ``HeadNorm.apply`` when the norms are
     given: the gradient of the function every path computes, whichever path ran the forward.
     """
-    check_inputs(x, qw)
-    if norm is not None and not isinstance(norm, RowNorm):
-        raise TypeError(f"norm must be an escha.RowNorm, got {type(norm).__name__}")
-    if norm is not None and (norm.weight.shape[0] != qw.in_features or norm.weight.device != x.device):
-        raise ValueError(f"the norm's weight must be [{qw.in_features}] on {x.device}, got "
-                         f"{list(norm.weight.shape)} on {norm.weight.device}")
+    _check_call(x, qw, norm, head_norm)
     _check_choice(path, precision, rule)
     r = DEFAULT_RULE if rule is None else rule
-    if head_norm is not None and not isinstance(head_norm, HeadNorm):
-        raise TypeError(f"head_norm must be an escha.norm.HeadNorm, got {type(head_norm).__name__}")
-    np_ = qw.padded_shape[0]
-    if head_norm is not None and head_norm.weight.shape[0] != np_:  # HeadNorm checks its flags against it
-        raise ValueError(f"the head norm must have [{np_}] row weights and [{np_ // HEAD}] block flags, got "
-                         f"{list(head_norm.weight.shape)} and {list(head_norm.blocks.shape)}")
     if _direct(x, qw, norm, head_norm):
         return _product(x, qw, path, precision, r, norm, head_norm)
     code = _AUTO if path is None else _PATH_CODE[path]

@@ -248,6 +248,20 @@ def test_opcheck_backward():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def test_the_op_called_by_name_checks_its_operands():
+    """torch.ops.escha.matmul runs the paths' unchecked launches, so it makes escha.matmul's
+    checks itself: a bad x or head norm is a one-line error, not a wrong read."""
+    x, qw, norm, head = _normed_call(seed=15)
+    tensors = list(qw.tensors().values())
+    ints = (256, 384, 2, 0, -1, 0, 64, 512, 48, 256)
+    with pytest.raises(ValueError, match="inner dimension 383"):
+        torch.ops.escha.matmul(x[:, :383], *tensors, *ints)
+    with pytest.raises(ValueError, match="the head norm must have \\[256\\] row weights"):
+        torch.ops.escha.matmul(x, *tensors, *ints, None, 0.0, head.weight[:128].contiguous(), head.blocks[:1], 1e-6)
+    assert torch.equal(torch.ops.escha.matmul(x, *tensors, *ints, norm.weight, norm.eps, head.weight, head.blocks,
+                                              head.eps), escha.matmul(x, qw, norm=norm, head_norm=head))
+
+
 def test_reference_on_cpu_without_interpreter(monkeypatch):
     """Documented behaviour: with compiled (non-interpreted) Triton on CPU, everything is reference."""
     from escha.kernels import common

@@ -238,6 +238,35 @@ def test_graphs_a_weight_keeps_are_bounded():
     assert _count(graphs) == MAX_GRAPHS + 1 and torch.equal(y, decode_wgmma(x, qw, out=torch.empty_like(y)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", ["decode_wgmma", "decode_fp8"])
+def test_a_kept_plan_call_checks_its_norms(op_name):
+    """The plan key holds the norms' dtypes, not their shapes: a call with a kept plan must still
+    refuse norms the kernels cannot apply to this weight, with a one-line error, before launching."""
+    import importlib
+    from escha.format import random_qweight
+    from escha.kernels.decode_wgmma import runs_on
+    from escha.norm import HeadNorm, RowNorm
+    if not runs_on(torch.device("cuda"), 2):
+        pytest.skip("needs a Hopper GPU")
+    op = getattr(importlib.import_module(f"escha.kernels.{op_name}"), op_name)
+    qw = random_qweight(256, 512, bits=2, seed=8, device="cuda")
+    x = torch.randn(100 if op_name == "decode_fp8" else 4, 512, device="cuda", dtype=torch.bfloat16)
+    good = RowNorm(torch.rand(512, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6)
+    head = HeadNorm(torch.rand(256, device="cuda", dtype=torch.bfloat16) + 0.5,
+                    torch.tensor([1, 0], dtype=torch.int8, device="cuda"), 1e-6)
+    for _ in range(3):  # kept, then replayed
+        y = op(x, qw, norm=good, head_norm=head)
+    wide = RowNorm(torch.rand(640, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6)
+    with pytest.raises(ValueError, match=f"{op_name}: the norm's weight must be a \\[512\\]"):
+        op(x, qw, norm=wide)
+    other = HeadNorm(torch.rand(384, device="cuda", dtype=torch.bfloat16) + 0.5,
+                     torch.tensor([1, 0, 1], dtype=torch.int8, device="cuda"), 1e-6)
+    with pytest.raises(ValueError, match=f"{op_name}: the head norm's weight must be a contiguous \\[256\\]"):
+        op(x, qw, head_norm=other)
+    assert torch.equal(op(x, qw, norm=good, head_norm=head), y)
+
+
 def test_arena_views_are_aligned_and_apart():
     """The arena's parts start at multiples of 256 bytes and do not overlap; a request longer
     than the arena makes a new generation (CPU: the same code as on a GPU, without graphs)."""

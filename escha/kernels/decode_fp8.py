@@ -409,12 +409,19 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     ``transforms.hadamard_output`` (their sum, Hn, the row scales, 2**-e / 16). Accuracy is the
     fp8 paths' (e4m3 weights and activations).
     """
-    check_call(x, qw, "decode_fp8")
+    check_call(x, qw, "decode_fp8", norm, head_norm)
     return _launch(x, qw, config, out, norm, head_norm)
 
 
 _GRAPHS = ("decode_fp8", "graphs")  # the key of this op's graphs in a weight's plans
 
+
+
+def launch_checked(x: torch.Tensor, qw: QuantizedWeight, *, norm: RowNorm | None = None,
+                   head_norm: HeadNorm | None = None) -> torch.Tensor:
+    """``decode_fp8(x, qw, norm=..., head_norm=...)`` on operands the caller has checked as it
+    does (escha.matmul's dispatch table: its checks and its choice of this path cover them)."""
+    return _launch(x, qw, None, None, norm, head_norm)
 
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None,
             out: torch.Tensor | None, norm: RowNorm | None = None,
@@ -427,7 +434,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
     ``common.weight_plans``); later calls with the same key run them again
     (``transforms.run_kept``: eager ones as one CUDA graph).
     """
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_fp8_config(qw, m, x.device)
     rows = triton.cdiv(m, cfg.block_tokens) * cfg.block_tokens  # x' in whole token blocks: no TMA box reaches past it
@@ -438,7 +445,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None
         layout = x_smem_layout(cfg.block_tokens)
         y = run_kept(plan, key, plans.setdefault(_GRAPHS, {}), x2d, out, norm, head_norm,
                      lambda: _parts(x2d, qw, plan.segments, rows), lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
-        return y.reshape(*x.shape[:-1], qw.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, fp8=True,
                                  mma_order=True, rows=rows)

@@ -58,7 +58,7 @@ from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, Replay, check_codebook, check_operands, dependent_launch_supported,
                      device_capability, device_constant, interpreted, kept, output_tensor, prepare)
-from .transforms import KeptPlan, input_columns, plan_key, prepare_input, prepare_output, run_kept
+from .transforms import KeptPlan, check_norm, input_columns, plan_key, prepare_input, prepare_output, run_kept
 from .triton_compat import smem_reinterpret, tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
@@ -801,19 +801,33 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
     dtype with unit column stride. ``norm`` (weight of x's dtype) is applied to x first, in the
     input transform: norm(x) @ W_hat^T; ``head_norm`` to the output's heads, in the output transform.
     """
-    check_call(x, qw, "decode_wgmma")
+    check_call(x, qw, "decode_wgmma", norm, head_norm)
     return _launch(x, qw, config, out, norm, head_norm)
 
 
-def check_call(x: torch.Tensor, qw: QuantizedWeight, op: str) -> None:
+def check_call(x: torch.Tensor, qw: QuantizedWeight, op: str, norm: RowNorm | None = None,
+               head_norm: HeadNorm | None = None) -> None:
     """A decode op's checks of its operands (``op`` names it in the one-line errors): the common
-    ones, the 3INST codebook, and a Hopper GPU for a supported K."""
+    ones, the 3INST codebook, a Hopper GPU for a supported K, and norms its transforms can apply
+    (a kept plan's call reaches no other check of them)."""
     check_operands(x, qw, op)
     check_codebook(qw, op)
     if not runs_on(x.device, qw.bits):
         raise ValueError(f"{op} runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
                          f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
+    check_norm(x, norm, op)
+    np_ = qw.padded_shape[0]
+    if head_norm is not None and not (head_norm.weight.shape[0] == np_ and head_norm.fusable(x)):
+        raise ValueError(f"{op}: the head norm's weight must be a contiguous [{np_}] {x.dtype} tensor on {x.device} "
+                         f"and its flags int8, to be applied in the output transform")
 
+
+
+def launch_checked(x: torch.Tensor, qw: QuantizedWeight, *, norm: RowNorm | None = None,
+                   head_norm: HeadNorm | None = None) -> torch.Tensor:
+    """``decode_wgmma(x, qw, norm=..., head_norm=...)`` on operands the caller has checked as it
+    does (escha.matmul's dispatch table: its checks and its choice of this path cover them)."""
+    return _launch(x, qw, None, None, norm, head_norm)
 
 def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None,
             out: torch.Tensor | None, norm: RowNorm | None = None,
@@ -826,7 +840,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
     inside a capture, into a caller's output or from x with rows not contiguous, they allocate and
     launch them again.
     """
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
     cfg = config or decode_wgmma_config(qw, m, x.device)
     packed = _packed(qw)
@@ -836,7 +850,7 @@ def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | No
         layout = x_smem_layout(cfg.block_tokens)
         y = run_kept(plan, key, packed.graphs, x2d, out, norm, head_norm,
                      lambda: _parts(x2d, qw, plan.segments, cfg), lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
-        return y.reshape(*x.shape[:-1], qw.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, mma_order=True, dependent_launch=pdl,
                                  release_early=pdl and cfg.early_start, norm=norm, halves=cfg.halves,

@@ -205,10 +205,10 @@ def input_columns(kp: int, halves: bool = False) -> int:
 
 def check_norm(x2d: torch.Tensor, norm: RowNorm | None, op: str = "") -> None:
     """A one-line ValueError (``op``, when given, named first) unless ``norm`` is None or the input
-    transform can apply it to x2d [M, in] (``RowNorm.fusable``). Callers that launch a prepared
+    transform can apply it to x2d [..., in] (``RowNorm.fusable``). Callers that launch a prepared
     input transform again, which skips ``prepare_input``, call it on every call."""
     if norm is not None and not norm.fusable(x2d):
-        raise ValueError(f"{op + ': ' if op else ''}the norm's weight must be a [{x2d.shape[1]}] {x2d.dtype} tensor "
+        raise ValueError(f"{op + ': ' if op else ''}the norm's weight must be a [{x2d.shape[-1]}] {x2d.dtype} tensor "
                          f"on {x2d.device} to be applied in the input transform")
 
 
@@ -489,6 +489,7 @@ def run_kept(plan: KeptPlan, key: tuple, graphs: dict, x2d: torch.Tensor, out: t
     y = output_tensor(x2d, y_shape[0], y_shape[1], out)
     launch(x2d, xq, inv, ws, y)  # x' rows past M and the partials left unwritten: the counts say which
     return y
+
 
 # -- Why the launch shapes are what they are -----------------------------------------------------
 # Measured on one H200 (torch 2.11+cu130, triton 3.6.0), the whole register-operand decode call in

@@ -140,8 +140,8 @@ class EschaLinear(nn.Module):
     @property
     def qweight(self) -> QuantizedWeight:
         """The QuantizedWeight over the current buffers (validated once per buffer change)."""
-        bufs = tuple(self._buffers[n] for n in TENSOR_NAMES)
         if torch.compiler.is_compiling():
+            bufs = tuple(self._buffers[n] for n in TENSOR_NAMES)
             # Traced code builds the weight from the buffers alone: reading the cache would add a
             # guard for each buffer's identity and the cache's every field, checked on each call of
             # the compiled step (docs/KERNELS.md, "Guards of a compiled step"). The buffers were
@@ -151,7 +151,8 @@ class EschaLinear(nn.Module):
         if key != self._cache_key or self._cache is None:
             if key != self._cache_key:
                 self._generation += 1  # a buffer written into _buffers directly, seen here
-            self._cache = QuantizedWeight(*bufs, shape=(self.out_features, self.in_features),
+            self._cache = QuantizedWeight(*(self._buffers[n] for n in TENSOR_NAMES),
+                                          shape=(self.out_features, self.in_features),
                                           bits=self.bits, codebook_id=self.codebook_id)
             self._cache_key = key
         return self._cache
