@@ -6,9 +6,10 @@ An eager call is bound by whichever is longer: the host work (Python, argument c
 dispatch rule, Triton's launches) or the kernels. "host" is the mean wall time of N calls issued
 back to back without synchronizing (the host's pace when the GPU keeps up); "eager" adds the final
 synchronize; "gpu" is the same call replayed in a CUDA graph (no host work), weights rotated past
-L2. Arms: the public ``escha.matmul`` and, where M is in the decode range, ``decode_wgmma``
-called directly (what the custom op and the dispatch cost on top). ``--profile`` writes cProfile's
-top functions for escha.matmul at each M.
+L2 (``--host-only`` leaves it out); "host_min" is the least round's host time. Arms: the public
+``escha.matmul`` and, where M is in the decode range, ``decode_wgmma`` called directly (what the
+custom op and the dispatch cost on top). ``--profile`` writes cProfile's top functions for
+escha.matmul at each M.
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ from bench_decode import env_info, weight_set  # noqa: E402
 SHAPE = (17408, 5120)  # Qwen3-14B gate/up
 
 
-def host_us(fn, calls: int, rounds: int) -> tuple[float, float]:
-    """(median host µs a call, median µs a call with the closing synchronize) over rounds of calls."""
+def host_us(fn, calls: int, rounds: int) -> tuple[float, float, float]:
+    """(median host µs a call, median µs a call with the closing synchronize, least host µs a call)
+    over rounds of calls. The least is the steadier figure on a shared host, whose interference
+    only ever adds time."""
     host, eager = [], []
     for _ in range(rounds):
         torch.cuda.synchronize()
@@ -48,7 +51,7 @@ def host_us(fn, calls: int, rounds: int) -> tuple[float, float]:
         t2 = time.perf_counter()
         host.append((t1 - t0) / calls * 1e6)
         eager.append((t2 - t0) / calls * 1e6)
-    return statistics.median(host), statistics.median(eager)
+    return statistics.median(host), statistics.median(eager), min(host)
 
 
 def main() -> int:
@@ -58,6 +61,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", help="write cProfile's top functions of escha.matmul here")
+    ap.add_argument("--host-only", action="store_true", help="leave out the GPU time (a CUDA graph of each arm)")
     args = ap.parse_args()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     ws = weight_set(*SHAPE, 4 * l2 / 2, seed=1)
@@ -74,10 +78,11 @@ def main() -> int:
         point = {"M": m, "path": str(resolve_path(m, ws[0])), "us": {}}
         for name, fn in arms.items():
             fn(0)
-            host, eager = host_us(lambda fn=fn: fn(0), args.calls, args.rounds)
-            gpu = statistics.median(timer.build(fn, len(ws), name).sample() for _ in range(3))
-            point["us"][name] = {"host": host, "eager": eager, "gpu": gpu}
-            print(f"M={m:5d} {name:13s} host {host:7.1f} us  eager {eager:7.1f} us  gpu {gpu:7.1f} us", flush=True)
+            host, eager, least = host_us(lambda fn=fn: fn(0), args.calls, args.rounds)
+            gpu = None if args.host_only else statistics.median(timer.build(fn, len(ws), name).sample() for _ in range(3))
+            point["us"][name] = {"host": host, "eager": eager, "host_min": least, "gpu": gpu}
+            print(f"M={m:5d} {name:13s} host {host:7.1f} us (least {least:7.1f})  eager {eager:7.1f} us  gpu "
+                  f"{'-' if gpu is None else f'{gpu:7.1f}'} us", flush=True)
         results["points"].append(point)
         if args.profile:
             pr = cProfile.Profile()
