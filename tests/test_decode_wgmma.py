@@ -277,11 +277,11 @@ for (bits, bn), _ in sorted(PROGRAMS_PER_SM.items()):  # the rule's variants, fo
 import dataclasses, torch
 from escha.format import random_qweight
 from escha.kernels.triton_compat import compile_only
-from escha.kernels.decode_wgmma import _launch, decode_wgmma_config
+from escha.kernels.decode_wgmma import decode_wgmma_config, launch_checked
 qw = random_qweight(256, 1024, bits=2, seed=0)
 capped = dataclasses.replace(decode_wgmma_config(qw, 64, torch.device("cuda")), max_registers=168)
 with compile_only() as compiled:  # through the launcher, as a call passes the cap
-    _launch(torch.randn(64, 1024, dtype=torch.bfloat16), qw, capped, None)
+    launch_checked(torch.randn(64, 1024, dtype=torch.bfloat16), qw, capped, None)
 k = next(k for name, k in compiled if name == "_decode_wgmma_kernel")
 out["res,cap,64"] = [k.metadata.shared, k.asm["cubin"].hex()]
 for bits, bn, frags in HALVES_VARIANTS:

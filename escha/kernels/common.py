@@ -168,7 +168,7 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
 # (benchmarks/results/host_h200_before/, benchmarks/results/host_h200/). ``prepare`` launches
 # through Triton and returns a ``Prepared``: the compiled variant with every argument in parameter
 # order, which an op that keeps a plan per (weight, shape of x, settings) launches again
-# directly, changing only its per-call tensors (decode_wgmma._launch).
+# directly, changing only its per-call tensors (decode_wgmma.launch_checked).
 _SIGNATURES: dict[object, tuple] = {}
 _NO_DEFAULT = object()
 
@@ -190,7 +190,7 @@ class Prepared:
 
     The caller owns the promise that the replaced arguments specialize as the first ones did
     (same dtypes, 16-byte alignment, and for ints the same value class): ops key their plans on
-    everything else (decode_wgmma._launch). The arguments at ``weak`` are held by weak reference:
+    everything else (decode_wgmma.launch_checked). The arguments at ``weak`` are held by weak reference:
     a plan kept per weight (``weight_plans``) must not keep alive the tensor its weight's plans
     are dropped with.
     """

@@ -77,10 +77,10 @@ def _launches() -> Iterator[str]:
     from .codec import CodecPath
     from .core_gemm import MIN_M
     from .decode import decode, decode_config
-    from .decode_fp8 import _launch as decode_fp8_launch
+    from .decode_fp8 import launch_checked as decode_fp8_launch
     from .decode_fp8 import decode_fp8_config
     from .decode_fp8 import decoded_fragments as fp8_fragments
-    from .decode_wgmma import _launch as decode_wgmma_launch
+    from .decode_wgmma import launch_checked as decode_wgmma_launch
     from .decode_wgmma import decode_wgmma_config, decoded_fragments
     from .dequant import dequant_config, dequantize_core
     from .dequant_once import _dequant_once, dequant_core_bf16, dequant_core_fp8, dequant_once_config

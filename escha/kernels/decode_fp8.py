@@ -410,24 +410,18 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     fp8 paths' (e4m3 weights and activations).
     """
     check_call(x, qw, "decode_fp8", norm, head_norm)
-    return _launch(x, qw, config, out, norm, head_norm)
+    return launch_checked(x, qw, config, out, norm, head_norm)
 
 
 _GRAPHS = ("decode_fp8", "graphs")  # the key of this op's graphs in a weight's plans
 
 
-
-def launch_checked(x: torch.Tensor, qw: QuantizedWeight, *, norm: RowNorm | None = None,
+def launch_checked(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None = None,
+                   out: torch.Tensor | None = None, norm: RowNorm | None = None,
                    head_norm: HeadNorm | None = None) -> torch.Tensor:
-    """``decode_fp8(x, qw, norm=..., head_norm=...)`` on operands the caller has checked as it
-    does (escha.matmul's dispatch table: its checks and its choice of this path cover them)."""
-    return _launch(x, qw, None, None, norm, head_norm)
-
-def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config | None,
-            out: torch.Tensor | None, norm: RowNorm | None = None,
-            head_norm: HeadNorm | None = None) -> torch.Tensor:
-    """Allocate and launch the three kernels (operands already checked; compile_check calls it
-    off the GPU).
+    """``decode_fp8`` on operands the caller has checked (it does; so does escha.matmul's dispatch
+    table, for the path its rule chose; compile_check calls it off the GPU): allocate and launch
+    the three kernels.
 
     As ``decode_wgmma``'s: the first call of a weight, a layout of x and a set of settings
     launches through Triton and keeps the three launches prepared (a ``transforms.KeptPlan`` in

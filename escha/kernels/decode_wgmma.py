@@ -119,7 +119,7 @@ def pack_words(qw: QuantizedWeight) -> torch.Tensor:
 
 class _Packed:
     """What decode_wgmma keeps per weight: the repacked words, their TMA descriptor, the
-    prepared launches of each (x layout, settings) it has run (``_launch``) and their CUDA graphs
+    prepared launches of each (x layout, settings) it has run (``launch_checked``) and their CUDA graphs
     by stream (``common.replayed``)."""
 
     __slots__ = ("words", "descs", "plans", "graphs")
@@ -148,7 +148,7 @@ def _packed(qw: QuantizedWeight) -> _Packed:
 
 
 def plan_count() -> int:
-    """How many prepared launch sets ``_launch`` keeps over every weight (a diagnostic: it should
+    """How many prepared launch sets ``launch_checked`` keeps over every weight (a diagnostic: it should
     stay at a few per weight, one per layout of x and settings seen)."""
     return sum(len(p.plans) for p in _PACKED.values())
 
@@ -802,7 +802,7 @@ def decode_wgmma(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeWgmmaCon
     input transform: norm(x) @ W_hat^T; ``head_norm`` to the output's heads, in the output transform.
     """
     check_call(x, qw, "decode_wgmma", norm, head_norm)
-    return _launch(x, qw, config, out, norm, head_norm)
+    return launch_checked(x, qw, config, out, norm, head_norm)
 
 
 def check_call(x: torch.Tensor, qw: QuantizedWeight, op: str, norm: RowNorm | None = None,
@@ -822,17 +822,11 @@ def check_call(x: torch.Tensor, qw: QuantizedWeight, op: str, norm: RowNorm | No
                          f"and its flags int8, to be applied in the output transform")
 
 
-
-def launch_checked(x: torch.Tensor, qw: QuantizedWeight, *, norm: RowNorm | None = None,
+def launch_checked(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None = None,
+                   out: torch.Tensor | None = None, norm: RowNorm | None = None,
                    head_norm: HeadNorm | None = None) -> torch.Tensor:
-    """``decode_wgmma(x, qw, norm=..., head_norm=...)`` on operands the caller has checked as it
-    does (escha.matmul's dispatch table: its checks and its choice of this path cover them)."""
-    return _launch(x, qw, None, None, norm, head_norm)
-
-def _launch(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None,
-            out: torch.Tensor | None, norm: RowNorm | None = None,
-            head_norm: HeadNorm | None = None) -> torch.Tensor:
-    """Allocate and launch (operands already checked; compile_check calls it off the GPU).
+    """``decode_wgmma`` on operands the caller has checked (it does; so does escha.matmul's dispatch
+    table, for the path its rule chose; compile_check calls it off the GPU): allocate and launch.
 
     The first call for a weight, a layout of x and a set of settings launches through Triton
     and keeps the three launches prepared (``transforms.KeptPlan``). Later calls with the same
