@@ -382,7 +382,8 @@ def _product(x: torch.Tensor, qw: QuantizedWeight, path: KernelPath | str | None
         kwargs["head_norm"], head = head, None
     # A path the rule chose can run here (dispatch_table's ``available``) on operands matmul has
     # checked: its launch skips the op's own checks. A path asked for by name runs with them.
-    y = (op.launch or op.run if path is None else op.run)(x2d, qw, **kwargs)
+    run = (op.launch or op.run) if path is None else op.run
+    y = run(x2d, qw, **kwargs)
     if head is not None:
         y = head.apply(y)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], qw.out_features)

@@ -437,7 +437,6 @@ def prepare_output_dense(z: torch.Tensor, qw: QuantizedWeight, out: torch.Tensor
                    DOT_DTYPE=ddt, num_warps=4)
 
 
-
 # -- A call's three launches kept ----------------------------------------------------------------
 class KeptPlan(NamedTuple):
     """The three launches of a decode call, kept prepared: ``prepare_input``'s, the GEMM's (its
