@@ -1167,3 +1167,30 @@ def test_compare_harnesses_pairs_each_arm_with_the_same_work():
                    ("gate_up", 8192, "escha", 1300.0, "escha-dequant-fp8", 1250.0),
                    ("down", 2048, "escha", 200.0, "escha-dequant-core-fp8", 250.0),
                    ("down", 2048, "torch-fp8", 130.0, "cublas-fp8-rowwise", 65.0)]
+
+
+def test_fp8_overlap_probe_forms_take_out_what_they_name():
+    """The probe's edits of decode_fp8.py still find the step's MMA and decoded tile (it stops
+    if the kernel changed), and each form's sm_90a build (256-token block, K=2) lacks what its
+    name says and keeps the rest: no wgmma without the MMA, no e4m3 conversion or word loads
+    without the decode, every form with the rule's CTA barriers."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    probe = _script("probe_fp8_overlap")
+    with tempfile.TemporaryDirectory() as folder:
+        mods = probe.variants(folder)
+        assert sorted(mods) == ["neither", "no_decode", "no_mma", "whole"]
+        ptx = {k: triton.compile(m.gemm_source(2, 256), target=GPUTarget("cuda", 90, 32),
+                                 options=m.compile_options(256)).asm["ptx"] for k, m in mods.items()}
+    count = {k: (p.count("wgmma.mma_async"), p.count("e4m3x2"), p.count("ld.global"), p.count("bar.sync"))
+             for k, p in ptx.items()}
+    mma, cvt, loads, bars = count["whole"]
+    assert mma > 0 and cvt > 0 and loads > 0 and bars > 0
+    assert count["no_mma"] == (0, cvt, loads, bars)
+    assert count["no_decode"] == (mma, 0, 0, bars)
+    assert count["neither"] == (0, 0, 0, bars)
+    from escha.kernels.decode_fp8 import DecodeFp8Config
+    cfg = DecodeFp8Config(block_tokens=256, stages=3, warps_m=8, warps_n=2, programs=132, dependent_launch=True)
+    assert [s for s in range(2, 9) if probe.fits(cfg, s)] == [2, 3, 4, 5, 6]  # 7 x 32 KB + 32 KB > 227 KB
