@@ -1,10 +1,10 @@
-"""Does the fp8 decode GEMM's decode run under its MMAs? Its step loop timed whole and with each
-half taken out.
+"""Where the fp8 decode GEMM's step spends its time: the GEMM timed whole and with its parts taken
+out (does the decode run under the MMAs? what do the activation stream and the partials cost?).
 
     python benchmarks/probe_fp8_overlap.py --out DIR [--ms 128,256] [--shapes gate_up,down] [--rounds 5]
         [--stages 2,3,4,5]
 
-The GEMM alone (``decode_fp8.gemm_partials``, the rule's configuration at each point), in four
+The GEMM alone (``decode_fp8.gemm_partials``, the rule's configuration at each point), in nine
 forms built from today's ``escha/kernels/decode_fp8.py`` by editing its source in a temporary
 folder (nothing here is a kernel of the library):
 
@@ -13,7 +13,15 @@ folder (nothing here is a kernel of the library):
   the activation ring and every barrier, no tensor-core work;
 - ``no_decode``: the decoded tile replaced by zeros (the words' loads go with it): the ring, the
   barriers and the MMAs, no codec;
-- ``neither``: both left out: the ring, the barriers, the tile's stores and the partials' stores.
+- ``neither``: both left out: the ring, the barriers, the tile's stores and the partials' stores;
+- ``no_stream``: the activation ring's refills and waits left out (each step multiplies whatever
+  its stage holds after the first STAGES tiles): decode, MMAs and barriers without the L2 reads;
+- ``no_store``: the partials' stores behind a branch never taken (the accumulator stays live);
+- ``no_stream_no_store``: both of the last two: the decode, the MMAs and the barriers;
+- ``tokens`` and ``tokens4``: the partials stored with the tokens contiguous ([segments, token
+  blocks, Np, BN], unmasked), two or four values a store instead of one; a layout the output
+  transform does not read, timed only where M is a multiple of the token block.
+(A form with neither the decode, the MMAs nor the stream crashed triton 3.6.0's ptxas 12.8, offline.)
 
 Beside them ``stream``: a plain Triton kernel that reads the same activation tiles on the same grid
 and does nothing else (what the activation ring's bytes alone cost). ``--stages`` adds the whole
@@ -53,17 +61,63 @@ SOURCE = os.path.join(os.path.dirname(__file__), "..", "escha", "kernels", "deco
 MMA = ("            acc = warpgroup_mma(a_smem.index(ab), x_smem.index(stage).permute((1, 0)), acc, use_acc=kb != k0,\n"
        "                                is_async=True)\n")
 DECODE = "            a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))\n"
+WAIT = "            mbarrier.wait(bars.index(stage), phase)\n"
+REFILL = ("                mbarrier.expect(bars.index(rs), nbytes, pred=j < n)\n"
+          "                tma_async_load(x_desc, [row0, kb_in * 128], bars.index(rs), x_smem.index(rs), pred=j < n)\n")
+STORE = "        _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)\n"
+NO_STORE = "        if M < 0:  # never: the accumulator stays live, nothing is stored\n    " + STORE
 ZEROS = ("            a_smem.index(ab).store(gl.zeros([ROWS, 128], gl.float8e4nv, layout=gl.BlockedLayout(\n"
          "                [1, 16], [8, 4], [NW, 1], [1, 0])))\n")
 
 
+PARTIALS = "    gl.store(base + tok[None, :] * Np + rows[:, None], acc, mask=tok[None, :] < M - row0)\n"
+# The partials as [segments, token blocks, Np, BN], a thread's two adjacent tokens side by side
+# (one 8-byte store), and unmasked: the layout the output transform does not read (timing only,
+# at M a multiple of the token block, where it fills the workspace exactly).
+TOKENS = ("    tb_base = ((seg * gl.num_programs(1) + row0 // BN) * Np).to(gl.int64) * BN\n"
+          "    gl.store(ws_ptr + tb_base + rows[:, None] * BN + tok[None, :], acc)\n")
+# The same with each 16-token group's columns reordered so that a thread's four values (two
+# adjacent tokens of two 8-token halves) are side by side: one 16-byte store, registers only.
+TOKENS4 = ("    tb_base = ((seg * gl.num_programs(1) + row0 // BN) * Np).to(gl.int64) * BN\n"
+           "    a2 = gl.reshape(gl.permute(gl.reshape(acc, [ROWS, BN // 16, 2, 4, 2]), [0, 1, 3, 2, 4]), [ROWS, BN])\n"
+           "    a2 = gl.convert_layout(a2, _pairs_first(a2.type.layout))\n"
+           "    r2 = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a2.type.layout))\n"
+           "    c2 = gl.arange(0, BN, layout=gl.SliceLayout(0, a2.type.layout))\n"
+           "    gl.store(ws_ptr + tb_base + r2[:, None] * BN + c2[None, :], a2)\n")
+PAIRS_FIRST = '''
+
+@gluon.constexpr_function
+def _pairs_first(layout):
+    """``layout`` with its register bases of columns 1 and 2 first: a thread's four adjacent columns
+    in consecutive registers (the same lanes and warps: a register permutation, no data moves)."""
+    regs = [list(b) for b in layout.reg_bases]
+    first = sorted((b for b in regs if b in ([0, 1], [0, 2])), key=lambda b: b[1])
+    rest = [b for b in regs if b not in ([0, 1], [0, 2])]
+    return gl.DistributedLinearLayout(reg_bases=first + rest, lane_bases=layout.lane_bases, warp_bases=layout.warp_bases,
+                                      block_bases=layout.block_bases, shape=layout.shape)
+
+'''
+STORE_DEF = "\n@gluon.jit\ndef _store_rows"
+
+
+def no_stream(src: str) -> str:
+    """``src`` without the activation ring's refills and waits."""
+    return src.replace(WAIT, "").replace(REFILL, "                pass\n")
+
+
 def variants(folder: str) -> dict:
-    """{name: module} of the four forms, each from an edited copy of decode_fp8.py."""
+    """{name: module} of the nine forms, each from an edited copy of decode_fp8.py."""
     with open(SOURCE) as f:
         src = f.read()
-    assert src.count(MMA) == 1 and src.count(DECODE) == 1, "decode_fp8.py's step changed: edit the probe"
+    assert all(src.count(t) == 1 for t in (MMA, DECODE, WAIT, REFILL, STORE, PARTIALS, STORE_DEF)), \
+        "decode_fp8.py's step changed: edit the probe"
     forms = {"whole": src, "no_mma": src.replace(MMA, ""), "no_decode": src.replace(DECODE, ZEROS),
-             "neither": src.replace(MMA, "").replace(DECODE, ZEROS)}
+             "neither": src.replace(MMA, "").replace(DECODE, ZEROS),
+             "no_stream": no_stream(src),
+             "no_store": src.replace(STORE, NO_STORE),
+             "no_stream_no_store": no_stream(src).replace(STORE, NO_STORE),
+             "tokens": src.replace(PARTIALS, TOKENS),
+             "tokens4": src.replace(PARTIALS, TOKENS4).replace(STORE_DEF, PAIRS_FIRST + STORE_DEF)}
     mods = {}
     for name, text in forms.items():
         path = os.path.join(folder, f"decode_fp8_{name}.py")
@@ -142,7 +196,7 @@ def main() -> int:
                 err = float((got - exact).norm() / exact.norm())
                 ok = err <= 2.0**-8
                 arms = {k: (lambda i, mod=mod: mod.gemm_partials(xq, ws[i], cfg, tokens=m), len(ws))
-                        for k, mod in mods.items()}
+                        for k, mod in mods.items() if m % cfg.block_tokens == 0 or not k.startswith("tokens")}
                 np_, kp = ws[0].padded_shape
                 steps = (np_ // (16 * cfg.warps_m)) * (kp // 128)
                 sink = torch.empty(cfg.programs * (xq.shape[0] // cfg.block_tokens), dtype=torch.int32, device="cuda")

@@ -1173,7 +1173,8 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
     """The probe's edits of decode_fp8.py still find the step's MMA and decoded tile (it stops
     if the kernel changed), and each form's sm_90a build (256-token block, K=2) lacks what its
     name says and keeps the rest: no wgmma without the MMA, no e4m3 conversion or word loads
-    without the decode, every form with the rule's CTA barriers."""
+    without the decode, no refill or ring wait without the stream, and the rule's CTA barriers; the
+    partials' layouts store 2 or 4 values a store, reordered in registers only."""
     import tempfile
 
     import triton
@@ -1181,16 +1182,34 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
     probe = _script("probe_fp8_overlap")
     with tempfile.TemporaryDirectory() as folder:
         mods = probe.variants(folder)
-        assert sorted(mods) == ["neither", "no_decode", "no_mma", "whole"]
+        assert sorted(mods) == ["neither", "no_decode", "no_mma", "no_store", "no_stream", "no_stream_no_store",
+                                "tokens", "tokens4", "whole"]
         ptx = {k: triton.compile(m.gemm_source(2, 256), target=GPUTarget("cuda", 90, 32),
                                  options=m.compile_options(256)).asm["ptx"] for k, m in mods.items()}
     count = {k: (p.count("wgmma.mma_async"), p.count("e4m3x2"), p.count("ld.global"), p.count("bar.sync"))
              for k, p in ptx.items()}
+    stream = {k: (p.count("cp.async.bulk.tensor"), p.count("mbarrier.try_wait")) for k, p in ptx.items()}
     mma, cvt, loads, bars = count["whole"]
     assert mma > 0 and cvt > 0 and loads > 0 and bars > 0
     assert count["no_mma"] == (0, cvt, loads, bars)
     assert count["no_decode"] == (mma, 0, 0, bars)
     assert count["neither"] == (0, 0, 0, bars)
+    # Without the ring's refills and waits: the first STAGES copies only, no wait, and one barrier
+    # fewer (Triton's, between a refill's expect and its copy).
+    assert count["no_stream"] == (mma, cvt, loads, bars - 1)
+    assert stream["whole"] == (4, 1) and stream["no_stream"] == (3, 0)
+    assert count["no_store"] == count["whole"] and count["no_stream_no_store"] == count["no_stream"]
+    # The partials' layouts: the same step, its 64 values a thread stored 2 or 4 to a store, with
+    # no shared memory or shuffle to reorder them (registers only).
+    def stores(k):
+        return sorted({line.split()[1] if line.lstrip().startswith("@") else line.split()[0]
+                       for line in ptx[k].splitlines() if "st.global" in line})
+    assert stores("whole") == ["st.global.b32"] and ptx["whole"].count("st.global") == 64
+    assert stores("tokens") == ["st.global.v2.b32"] and ptx["tokens"].count("st.global") == 32
+    assert stores("tokens4") == ["st.global.v4.b32"] and ptx["tokens4"].count("st.global") == 16
+    for k in ("tokens", "tokens4"):
+        assert count[k] == (mma, cvt, loads, bars)
+        assert ptx[k].count("shfl") == ptx["whole"].count("shfl") and ptx[k].count("st.shared") == ptx["whole"].count("st.shared")
     from escha.kernels.decode_fp8 import DecodeFp8Config
     cfg = DecodeFp8Config(block_tokens=256, stages=3, warps_m=8, warps_n=2, programs=132, dependent_launch=True)
     assert [s for s in range(2, 9) if probe.fits(cfg, s)] == [2, 3, 4, 5, 6]  # 7 x 32 KB + 32 KB > 227 KB
