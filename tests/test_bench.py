@@ -1186,21 +1186,20 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
                                 "tokens", "tokens4", "whole"]
         ptx = {k: triton.compile(m.gemm_source(2, 256), target=GPUTarget("cuda", 90, 32),
                                  options=m.compile_options(256)).asm["ptx"] for k, m in mods.items()}
-    count = {k: (p.count("wgmma.mma_async"), p.count("e4m3x2"), p.count("ld.global"), p.count("bar.sync"))
-             for k, p in ptx.items()}
+    count = {k: (p.count("wgmma.mma_async"), p.count("e4m3x2"), p.count("ld.global")) for k, p in ptx.items()}
+    bars = {k: p.count("bar.sync") for k, p in ptx.items()}
     stream = {k: (p.count("cp.async.bulk.tensor"), p.count("mbarrier.try_wait")) for k, p in ptx.items()}
-    mma, cvt, loads, bars = count["whole"]
-    assert mma > 0 and cvt > 0 and loads > 0 and bars > 0
-    assert count["no_mma"] == (0, cvt, loads, bars)
-    assert count["no_decode"] == (mma, 0, 0, bars)
-    assert count["neither"] == (0, 0, 0, bars)
-    # Without the ring's refills and waits: the first STAGES copies only, no wait, and one barrier
-    # fewer (Triton's, between a refill's expect and its copy).
-    assert count["no_stream"] == (mma, cvt, loads, bars - 1)
-    assert stream["whole"] == (4, 1) and stream["no_stream"] == (3, 0)
+    mma, cvt, loads = count["whole"]
+    assert mma > 0 and cvt > 0 and loads > 0
+    assert count["no_mma"] == (0, cvt, loads)
+    assert count["no_decode"] == (mma, 0, 0)
+    assert count["neither"] == (0, 0, 0)
+    # Without the ring's refills and waits: the first STAGES copies only, and no wait.
+    assert count["no_stream"] == (mma, cvt, loads) and stream["whole"] == (4, 1) and stream["no_stream"] == (3, 0)
     assert count["no_store"] == count["whole"] and count["no_stream_no_store"] == count["no_stream"]
+    assert ptx["no_store"].count("st.global") == ptx["whole"].count("st.global")  # kept, behind the branch
     # The partials' layouts: the same step, its 64 values a thread stored 2 or 4 to a store, with
-    # no shared memory or shuffle to reorder them (registers only).
+    # no shared memory or shuffle added to reorder them (registers only).
     def stores(k):
         return sorted({line.split()[1] if line.lstrip().startswith("@") else line.split()[0]
                        for line in ptx[k].splitlines() if "st.global" in line})
@@ -1208,8 +1207,17 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
     assert stores("tokens") == ["st.global.v2.b32"] and ptx["tokens"].count("st.global") == 32
     assert stores("tokens4") == ["st.global.v4.b32"] and ptx["tokens4"].count("st.global") == 16
     for k in ("tokens", "tokens4"):
-        assert count[k] == (mma, cvt, loads, bars)
-        assert ptx[k].count("shfl") == ptx["whole"].count("shfl") and ptx[k].count("st.shared") == ptx["whole"].count("st.shared")
+        assert count[k] == (mma, cvt, loads)
+        assert ptx[k].count("shfl") == ptx["whole"].count("shfl")
+        assert ptx[k].count("st.shared") == ptx["whole"].count("st.shared")
+    # The CTA barriers Triton's analysis places, exact under the release measured (3.6; 3.9 places
+    # one fewer without the MMAs): as the rule's, one fewer without the stream.
+    from escha.kernels.decode_wgmma import MEASURED_TRITON
+    from escha.kernels.triton_compat import TRITON_RELEASE
+    if TRITON_RELEASE == MEASURED_TRITON:
+        assert bars["whole"] > 0
+        assert all(bars[k] == bars["whole"] for k in ("no_mma", "no_decode", "neither", "no_store"))
+        assert bars["no_stream"] == bars["no_stream_no_store"] == bars["whole"] - 1
     from escha.kernels.decode_fp8 import DecodeFp8Config
     cfg = DecodeFp8Config(block_tokens=256, stages=3, warps_m=8, warps_n=2, programs=132, dependent_launch=True)
     assert [s for s in range(2, 9) if probe.fits(cfg, s)] == [2, 3, 4, 5, 6]  # 7 x 32 KB + 32 KB > 227 KB
