@@ -58,7 +58,7 @@ from ..format.spec import HAD_BLOCK, TILE, words_per_tile
 from ..norm import HeadNorm, RowNorm
 from .common import (Prepared, Replay, check_codebook, check_operands, dependent_launch_supported,
                      device_capability, device_constant, interpreted, kept, output_tensor, prepare)
-from .transforms import KeptPlan, check_norm, input_columns, plan_key, prepare_input, prepare_output, run_kept
+from .transforms import KeptPlan, check_head_norm, check_norm, input_columns, plan_key, prepare_input, prepare_output, run_kept
 from .triton_compat import smem_reinterpret, tma_async_load
 
 FRAGMENT_ROWS = 64  # weight rows of one A fragment (wgmma M)
@@ -816,10 +816,7 @@ def check_call(x: torch.Tensor, qw: QuantizedWeight, op: str, norm: RowNorm | No
         raise ValueError(f"{op} runs on Hopper GPUs (sm_90) for K in {SUPPORTED_BITS}; "
                          f"got {x.device} and K={qw.bits} (escha.matmul picks another path there)")
     check_norm(x, norm, op)
-    np_ = qw.padded_shape[0]
-    if head_norm is not None and not (head_norm.weight.shape[0] == np_ and head_norm.fusable(x)):
-        raise ValueError(f"{op}: the head norm's weight must be a contiguous [{np_}] {x.dtype} tensor on {x.device} "
-                         f"and its flags int8, to be applied in the output transform")
+    check_head_norm(x, head_norm, qw.padded_shape[0], op)  # y has x's dtype and device
 
 
 def launch_checked(x: torch.Tensor, qw: QuantizedWeight, config: DecodeWgmmaConfig | None = None,

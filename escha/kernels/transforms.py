@@ -212,6 +212,16 @@ def check_norm(x2d: torch.Tensor, norm: RowNorm | None, op: str = "") -> None:
                          f"on {x2d.device} to be applied in the input transform")
 
 
+def check_head_norm(y: torch.Tensor, head_norm: HeadNorm | None, np_: int, op: str = "") -> None:
+    """``check_norm``'s twin for the output transform: a one-line ValueError (``op``, when given,
+    named first) unless ``head_norm`` is None or its weight is [np_] and it can be applied to a y
+    like ``y`` (``HeadNorm.fusable``). Callers that launch a prepared output transform again,
+    which skips ``prepare_output``, call it on every call."""
+    if head_norm is not None and not (head_norm.weight.shape[0] == np_ and head_norm.fusable(y)):
+        raise ValueError(f"{op + ': ' if op else ''}the head norm's weight must be a contiguous [{np_}] {y.dtype} "
+                         f"tensor on {y.device} and its flags int8, to be applied in the output transform")
+
+
 def prepare_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = False,
                   dependent_launch: bool = False, release_early: bool = False,
                   norm: RowNorm | None = None,
@@ -375,9 +385,7 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     elif segments.shape != (np_ // 64,) or segments.dtype != torch.int32 or segments.device != z.device:
         raise ValueError(f"segments must be int32 [{np_ // 64}] on {z.device}, got {segments.dtype} "
                          f"{list(segments.shape)} on {segments.device}")
-    if head_norm is not None and (head_norm.weight.shape[0] != np_ or not head_norm.fusable(out)):
-        raise ValueError(f"head norm: weight must be contiguous {out.dtype} [{np_}] and blocks int8 "
-                         f"[{np_ // HAD_BLOCK}]")
+    check_head_norm(out, head_norm, np_, "hadamard_output")
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
     args = (z, out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb, segments,
