@@ -41,7 +41,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -50,6 +49,7 @@ import triton
 import triton.language as tl
 
 from escha.bench.cuda_timing import GraphTimer
+from escha.kernels.decode_fp8 import PROGRAMS_PER_SM
 from escha.kernels.decode_wgmma import summed_partials
 from escha.kernels.transforms import prepare_input
 
@@ -155,14 +155,8 @@ def stream(xq: torch.Tensor, steps: int, cfg, out: torch.Tensor) -> torch.Tensor
 
 def fits(cfg, stages: int) -> bool:
     """Whether ``stages`` keeps the rule's programs an SM in shared memory (227 KB an SM, H100/H200)."""
-    per_sm = {64: 4, 128: 3, 256: 1}[cfg.block_tokens]
+    per_sm = PROGRAMS_PER_SM[cfg.block_tokens]
     return per_sm * (stages * cfg.block_tokens * 128 + 2 * 16 * cfg.warps_m * 128 + 1024) <= 227 * 1024
-
-
-def sm_clock_mhz() -> float:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return float(out.split()[0])
 
 
 def main() -> int:
@@ -174,7 +168,7 @@ def main() -> int:
     ap.add_argument("--stages", default="", help="ring depths to time beside the rule's (arms whole_sN, no_decode_sN)")
     args = ap.parse_args()
     log, results = start_run(args.out, "probe_fp8_overlap.log")
-    clock = sm_clock_mhz()
+    clock = float(results["env"]["clocks_mhz"].split(",")[-1])  # nvidia-smi's current, max SM clock
     results["sm_clock_mhz"] = clock
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     timer = GraphTimer(replays=10)
