@@ -4,7 +4,7 @@ out (does the decode run under the MMAs? what do the activation stream and the p
     python benchmarks/probe_fp8_overlap.py --out DIR [--ms 128,256] [--shapes gate_up,down] [--rounds 5]
         [--stages 2,3,4,5]
 
-The GEMM alone (``decode_fp8.gemm_partials``, the rule's configuration at each point), in nine
+The GEMM alone (``decode_fp8.gemm_partials``, the rule's configuration at each point), in eleven
 forms built from today's ``escha/kernels/decode_fp8.py`` by editing its source in a temporary
 folder (nothing here is a kernel of the library):
 
@@ -20,7 +20,13 @@ folder (nothing here is a kernel of the library):
 - ``no_stream_no_store``: both of the last two: the decode, the MMAs and the barriers;
 - ``tokens`` and ``tokens4``: the partials stored with the tokens contiguous ([segments, token
   blocks, Np, BN], unmasked), two or four values a store instead of one; a layout the output
-  transform does not read, timed only where M is a multiple of the token block.
+  transform does not read, timed only where M is a multiple of the token block;
+- ``no_fence``: the proxy fence between the decoded tile's stores and the MMAs that read it left
+  out (MEMBAR.ALL.CTA and FENCE.VIEW.ASYNC.S in the SASS): what the fence costs with the previous
+  step's MMAs in flight (``probe_mma_alu.py``). Without it the MMAs may read a stale tile: timing only;
+- ``wait_first``: the previous step's MMAs waited for (wait_group 0) after this step's decode and
+  before its tile's stores and fence (the wait after the issue left, with nothing to wait for):
+  the fence with no MMA in flight; the same retirement order, so legal (gated as ``whole``).
 (A form with neither the decode, the MMAs nor the stream crashed triton 3.6.0's ptxas 12.8, offline.)
 
 Beside them ``stream``: a plain Triton kernel that reads the same activation tiles on the same grid
@@ -30,8 +36,9 @@ and no_decode forms at other ring depths (``whole_sN``, ``no_decode_sN``).
 If the decode ran under the MMAs, ``whole`` would take about the longer of ``no_mma`` and
 ``no_decode``; if they ran in series, about ``neither`` plus what each of the two adds to it.
 Each step's cycles are the time over the longest program's steps at the maximum SM clock
-``nvidia-smi`` reports. Only ``whole`` is gated (its partials against the exact product of its
-own operands, 2**-8, as tests/test_decode_fp8.py); the others compute something else by design.
+``nvidia-smi`` reports. Only ``whole`` and ``wait_first`` are gated (their partials against the
+exact product of their own operands, 2**-8, as tests/test_decode_fp8.py); ``no_fence``'s error is
+recorded, not required; the others compute something else by design.
 Timing as bench_decode_fp8.py: weights rotated past L2, one CUDA graph an arm, rounds
 interleaved, median.
 """
@@ -64,6 +71,15 @@ DECODE = "            a_smem.index(ab).store(_decoded_fp8(w, BITS, L8, ROWS))\n"
 WAIT = "            mbarrier.wait(bars.index(stage), phase)\n"
 REFILL = ("                mbarrier.expect(bars.index(rs), nbytes, pred=j < n)\n"
           "                tma_async_load(x_desc, [row0, kb_in * 128], bars.index(rs), x_smem.index(rs), pred=j < n)\n")
+FENCE = "            fence_async_shared()\n"
+WAIT1 = "            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))\n"
+# The previous step's MMAs retired after this step's decode and before its tile is stored and fenced
+# (the same order of retirement as the wait a step late after the issue: legal, and gated). The
+# wait a step late stays after the issue, where nothing is left for it to wait for: it is what
+# turns the issued accumulator back into the tensor the loop carries.
+WAIT_FIRST = ("            a_tile = _decoded_fp8(w, BITS, L8, ROWS)\n"
+              "            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n"
+              "            a_smem.index(ab).store(a_tile)\n")
 STORE = "        _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)\n"
 NO_STORE = "        if M < 0:  # never: the accumulator stays live, nothing is stored\n    " + STORE
 ZEROS = ("            a_smem.index(ab).store(gl.zeros([ROWS, 128], gl.float8e4nv, layout=gl.BlockedLayout(\n"
@@ -106,10 +122,10 @@ def no_stream(src: str) -> str:
 
 
 def variants(folder: str) -> dict:
-    """{name: module} of the nine forms, each from an edited copy of decode_fp8.py."""
+    """{name: module} of the eleven forms, each from an edited copy of decode_fp8.py."""
     with open(SOURCE) as f:
         src = f.read()
-    assert all(src.count(t) == 1 for t in (MMA, DECODE, WAIT, REFILL, STORE, PARTIALS, STORE_DEF)), \
+    assert all(src.count(t) == 1 for t in (MMA, DECODE, WAIT, REFILL, STORE, PARTIALS, STORE_DEF, FENCE, WAIT1)), \
         "decode_fp8.py's step changed: edit the probe"
     forms = {"whole": src, "no_mma": src.replace(MMA, ""), "no_decode": src.replace(DECODE, ZEROS),
              "neither": src.replace(MMA, "").replace(DECODE, ZEROS),
@@ -117,7 +133,9 @@ def variants(folder: str) -> dict:
              "no_store": src.replace(STORE, NO_STORE),
              "no_stream_no_store": no_stream(src).replace(STORE, NO_STORE),
              "tokens": src.replace(PARTIALS, TOKENS),
-             "tokens4": src.replace(PARTIALS, TOKENS4).replace(STORE_DEF, PAIRS_FIRST + STORE_DEF)}
+             "tokens4": src.replace(PARTIALS, TOKENS4).replace(STORE_DEF, PAIRS_FIRST + STORE_DEF),
+             "no_fence": src.replace(FENCE, ""),
+             "wait_first": src.replace(DECODE, WAIT_FIRST)}
     mods = {}
     for name, text in forms.items():
         path = os.path.join(folder, f"decode_fp8_{name}.py")
@@ -183,11 +201,14 @@ def main() -> int:
                 rows = -(-m // cfg.block_tokens) * cfg.block_tokens
                 xq, _, _ = prepare_input(x, ws[0], fp8=True, mma_order=True, rows=rows)
                 # Gate of the unedited form: partials against the exact product of its own operands.
-                part, counts = whole.gemm_partials(xq, ws[0], cfg, tokens=m)
                 a = whole.decoded_fragments(ws[0], cfg.warps_n).double()
                 exact = xq[:m].double() @ a.T
-                got = summed_partials(part, counts)
-                err = float((got - exact).norm() / exact.norm())
+                errs = {}
+                for k in ("whole", "wait_first", "no_fence"):  # the last one is read, not required
+                    part, counts = mods[k].gemm_partials(xq, ws[0], cfg, tokens=m)
+                    got = summed_partials(part, counts)
+                    errs[k] = float((got - exact).norm() / exact.norm())
+                err = max(errs["whole"], errs["wait_first"])
                 ok = err <= 2.0**-8
                 arms = {k: (lambda i, mod=mod: mod.gemm_partials(xq, ws[i], cfg, tokens=m), len(ws))
                         for k, mod in mods.items() if m % cfg.block_tokens == 0 or not k.startswith("tokens")}
@@ -206,10 +227,11 @@ def main() -> int:
                 cycles = {k: v * 1e-6 * clock * 1e6 / per_program for k, v in med.items()}
                 point = {"shape": name, "M": m, "config": cfg.__dict__, "us": med, "steps_per_program": per_program,
                          "activation_bytes": steps * cfg.block_tokens * 128 * (xq.shape[0] // cfg.block_tokens),
-                         "cycles_per_step": cycles, "gate_partials_rel_err": err, "gate_ok": ok}
+                         "cycles_per_step": cycles, "gate_partials_rel_err": err, "gate_ok": ok,
+                         "partials_rel_err": errs}
                 results["points"].append(point)
                 log(f"{name} M={m} " + " ".join(f"{k} {v:6.1f} us ({cycles[k]:5.0f} cyc/step)" for k, v in med.items())
-                    + f"  steps/program {per_program}  gate {err:.2e} {'ok' if ok else 'FAIL'}")
+                    + f"  steps/program {per_program}  gate {err:.2e} {'ok' if ok else 'FAIL'} (no_fence {errs['no_fence']:.2e})")
                 with open(os.path.join(args.out, "probe_fp8_overlap.json"), "w") as f:
                     json.dump(results, f, indent=1)
             ws = None  # the rotation set freed before the next shape's

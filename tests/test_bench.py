@@ -1169,6 +1169,43 @@ def test_compare_harnesses_pairs_each_arm_with_the_same_work():
                    ("down", 2048, "torch-fp8", 130.0, "cublas-fp8-rowwise", 65.0)]
 
 
+def test_mma_alu_probe_forms_hold_what_they_name():
+    """The synthetic probe's forms, compiled for sm_90a as launched: the integer rounds (four
+    instructions a value a round) in every form but ``mma``, four k32 wgmmas a step in every form
+    but ``alu``, waited for one step late (wait_group 1) inside the loop; the CTA barrier in the
+    loop only in the ``_sync`` and ``_fence`` forms, and the shared store and proxy fence only in
+    ``_fence``; the warp-specialized forms' product and integer rounds."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    probe = _script("probe_mma_alu")
+    for build, (wm, wn, bn, _) in probe.BUILDS.items():
+        for form in probe.FORMS:
+            ptx = triton.compile(probe.source(build, form, 3), target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": wm * wn}).asm["ptx"]
+            start = ptx.index("bar.sync") + len("bar.sync")  # the set-up's barrier, then the loop
+            loop = ptx[start:ptx.index("%._crit_edge")]
+            mma_on, sync, fence = probe.FORMS[form]
+            rounds = 0 if form == "mma" else 3
+            assert ptx.count("shf.l.wrap.b32") == rounds * probe.VALS, (build, form)
+            assert ptx.count("mad.lo.u32") >= rounds * probe.VALS, (build, form)
+            assert len(re.findall(r"wgmma\.mma_async\S*m64n%dk32" % (bn // wn), loop)) == (4 if mma_on else 0)
+            assert ("wgmma.wait_group.sync.aligned 1" in loop) == mma_on
+            assert ("bar.sync" in loop) == sync, (build, form)
+            assert ("fence.proxy.async" in loop) == fence and ("st.shared" in loop) == fence, (build, form)
+    # The warp-specialized forms (256-token build): the product as two chained m64n128 groups a
+    # step, waited for a step late (wait_group 2); the integer rounds, twice as many, on the other
+    # warps, none in ws_mma.
+    wm, wn, bn, _ = probe.BUILDS["b256"]
+    for form, rounds in ((probe.WS, 3 * wn), (probe.WS_MMA, 0)):
+        ptx = triton.compile(probe.source("b256", form, 3), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": wm}).asm["ptx"]
+        assert len(re.findall(r"wgmma\.mma_async\S*m64n128k32", ptx)) == 4 * bn // 128
+        assert "wgmma.wait_group.sync.aligned 2" in ptx
+        assert ptx.count("shf.l.wrap.b32") == rounds * probe.VALS, form
+
+
 def test_fp8_overlap_probe_forms_take_out_what_they_name():
     """The probe's edits of decode_fp8.py still find the step's MMA and decoded tile (it stops
     if the kernel changed), and each form's sm_90a build (256-token block, K=2) lacks what its
@@ -1182,8 +1219,8 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
     probe = _script("probe_fp8_overlap")
     with tempfile.TemporaryDirectory() as folder:
         mods = probe.variants(folder)
-        assert sorted(mods) == ["neither", "no_decode", "no_mma", "no_store", "no_stream", "no_stream_no_store",
-                                "tokens", "tokens4", "whole"]
+        assert sorted(mods) == ["neither", "no_decode", "no_fence", "no_mma", "no_store", "no_stream",
+                                "no_stream_no_store", "tokens", "tokens4", "wait_first", "whole"]
         ptx = {k: triton.compile(m.gemm_source(2, 256), target=GPUTarget("cuda", 90, 32),
                                  options=m.compile_options(256)).asm["ptx"] for k, m in mods.items()}
     count = {k: (p.count("wgmma.mma_async"), p.count("e4m3x2"), p.count("ld.global")) for k, p in ptx.items()}
@@ -1198,6 +1235,13 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
     assert count["no_stream"] == (mma, cvt, loads) and stream["whole"] == (4, 1) and stream["no_stream"] == (3, 0)
     assert count["no_store"] == count["whole"] and count["no_stream_no_store"] == count["no_stream"]
     assert ptx["no_store"].count("st.global") == ptx["whole"].count("st.global")  # kept, behind the branch
+    # The step's proxy fence: gone in no_fence, kept in wait_first, which waits for every MMA (wait
+    # group 0) once more a step, before the tile's stores.
+    fences = {k: p.count("fence.proxy.async") for k, p in ptx.items()}
+    waits0 = {k: p.count("wgmma.wait_group.sync.aligned 0") for k, p in ptx.items()}
+    assert fences["no_fence"] == fences["whole"] - 1 and count["no_fence"] == count["whole"]
+    assert fences["wait_first"] == fences["whole"] and waits0["wait_first"] == waits0["whole"] + 1
+    assert count["wait_first"] == count["whole"]
     # The partials' layouts: the same step, its 64 values a thread stored 2 or 4 to a store, with
     # no shared memory or shuffle added to reorder them (registers only).
     def stores(k):
