@@ -25,6 +25,9 @@
 # PHASE "system":  escha bench's decode table (all arms, M 1..256), one step per seed shape
 #                  (SYSTEM_SHAPES, default gate_up down): gemlite tunes itself at each point, about
 #                  30 s a point.
+# PHASE "targets": every token count of the issues' kernel targets in one call (decode 1-256, prefill
+#                  512, 2048, 8192, and 96 and 192 between), escha's rule beside cuBLAS bf16 and fp8
+#                  only (gemlite, which tunes itself at each point, is "system"'s), one step per seed shape.
 # PHASE "ragged": escha bench's rule (arms escha, torch-bf16, torch-fp8) at token counts that are
 #                  not multiples of the kernels' token blocks (2-250), one step per seed shape: where
 #                  a TMA box runs past x' (the anomalies at 40 and 72 tokens were that), it shows.
@@ -179,7 +182,7 @@
 # PHASE "tp":      end-to-end decode at TP=2 against TP=1 (needs two GPUs; benchmarks/bench_e2e_tp.py).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 set -uo pipefail
-phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate, compiled-step, replay, replay-e2e or tp}
+phase=${1:?phase: kernels, check, suite, gpu-suite, core-gemm, system, targets, ragged, system2, sweep, e2e, profile, host, ncu-loop, investigate, variants, caps, stages, waves, narrow, fp8-caps, fp8-builds, fp8, fp8-ab, fp8-check, wgmma-ab, overlap, cuda-loop, cuda-loop-ncu, actquant, fused-fp8, k3, compile, llm-stage, llm, llm-seeds, llm-kjv, generate, compiled-step, replay, replay-e2e or tp}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -219,6 +222,12 @@ case "$phase" in
     for shape in ${SYSTEM_SHAPES:-gate_up down}; do
       step "bench_decode_$shape" 285 python -m escha.cli bench --arms "$ARMS" --m 1,8,16,40,64,128,256 \
         --shapes "$shape" --out "$out/bench_decode_$shape"
+    done
+    ;;
+  targets)
+    for shape in gate_up down; do
+      step "bench_targets_$shape" 285 python -m escha.cli bench --arms escha,torch-bf16,torch-fp8 \
+        --m 1,8,16,40,64,96,128,192,256,512,2048,8192 --shapes "$shape" --out "$out/bench_targets_$shape"
     done
     ;;
   ragged)
