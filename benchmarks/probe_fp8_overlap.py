@@ -23,7 +23,8 @@ folder (nothing here is a kernel of the library):
   transform does not read, timed only where M is a multiple of the token block;
 - ``no_fence``: the proxy fence between the decoded tile's stores and the MMAs that read it left
   out (MEMBAR.ALL.CTA and FENCE.VIEW.ASYNC.S in the SASS): what the fence costs with the previous
-  step's MMAs in flight (``probe_mma_alu.py``). Without it the MMAs may read a stale tile: timing only;
+  step's MMAs in flight (``probe_mma_alu.py``). Without it the MMAs may read a stale tile: timing only
+  (under triton 3.6, the release measured: 3.9 places the fence itself where it is left out);
 - ``wait_first``: the previous step's MMAs waited for (wait_group 0) after this step's decode and
   before its tile's stores and fence (the wait after the issue left, with nothing to wait for):
   the fence with no MMA in flight; the same retirement order, so legal (gated as ``whole``).

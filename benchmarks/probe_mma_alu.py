@@ -34,7 +34,9 @@ Two integer mixes (``MIXES``): ``alu`` (three of the four instructions on the AL
 ``fma`` (all four mad.lo, the FMA pipe).
 
 If the tensor core runs under the integer work, ``both`` takes about the longer of ``alu`` and
-``mma``; if not, their sum. Cycles a step are the time over the steps at the SM clock of the
+``mma``; if not, their sum. The forms are as named under triton 3.6, the release measured; 3.9
+puts a CTA barrier after the wait in every MMA form (``both`` is then ``both_sync``) and places
+the proxy fence itself. Cycles a step are the time over the steps at the SM clock of the
 run's env record. Timing as the other probes: one CUDA graph an arm, rounds interleaved, median.
 """
 from __future__ import annotations

@@ -1174,11 +1174,15 @@ def test_mma_alu_probe_forms_hold_what_they_name():
     instructions a value a round) in every form but ``mma``, four k32 wgmmas a step in every form
     but ``alu``, waited for one step late (wait_group 1) inside the loop; the CTA barrier in the
     loop only in the ``_sync`` and ``_fence`` forms, and the shared store and proxy fence only in
-    ``_fence``; the warp-specialized forms' product and integer rounds."""
+    ``_fence``; the warp-specialized forms' product and integer rounds. The barrier and fence
+    placement is asserted under the release measured (3.6): 3.9 puts a CTA barrier after the wait
+    in every MMA form and places the proxy fence itself."""
     import re
 
     import triton
     from triton.backends.compiler import GPUTarget
+    from escha.kernels.decode_wgmma import MEASURED_TRITON
+    from escha.kernels.triton_compat import TRITON_RELEASE
     probe = _script("probe_mma_alu")
     for build, (wm, wn, bn, _) in probe.BUILDS.items():
         for form in probe.FORMS:
@@ -1192,8 +1196,10 @@ def test_mma_alu_probe_forms_hold_what_they_name():
             assert ptx.count("mad.lo.u32") >= rounds * probe.VALS, (build, form)
             assert len(re.findall(r"wgmma\.mma_async\S*m64n%dk32" % (bn // wn), loop)) == (4 if mma_on else 0)
             assert ("wgmma.wait_group.sync.aligned 1" in loop) == mma_on
-            assert ("bar.sync" in loop) == sync, (build, form)
-            assert ("fence.proxy.async" in loop) == fence and ("st.shared" in loop) == fence, (build, form)
+            assert ("st.shared" in loop) == fence, (build, form)
+            if TRITON_RELEASE == MEASURED_TRITON:  # 3.9 puts a CTA barrier after every MMA form's wait
+                assert ("bar.sync" in loop) == sync, (build, form)
+                assert ("fence.proxy.async" in loop) == fence, (build, form)
     # The warp-specialized forms (256-token build): the product as two chained m64n128 groups a
     # step, waited for a step late (wait_group 2); the integer rounds, twice as many, on the other
     # warps, none in ws_mma.
@@ -1216,6 +1222,9 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
 
     import triton
     from triton.backends.compiler import GPUTarget
+
+    from escha.kernels.decode_wgmma import MEASURED_TRITON
+    from escha.kernels.triton_compat import TRITON_RELEASE
     probe = _script("probe_fp8_overlap")
     with tempfile.TemporaryDirectory() as folder:
         mods = probe.variants(folder)
@@ -1239,7 +1248,9 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
     # group 0) once more a step, before the tile's stores.
     fences = {k: p.count("fence.proxy.async") for k, p in ptx.items()}
     waits0 = {k: p.count("wgmma.wait_group.sync.aligned 0") for k, p in ptx.items()}
-    assert fences["no_fence"] == fences["whole"] - 1 and count["no_fence"] == count["whole"]
+    assert count["no_fence"] == count["whole"]
+    if TRITON_RELEASE == MEASURED_TRITON:  # 3.9 places the proxy fence itself where it is left out
+        assert fences["no_fence"] == fences["whole"] - 1
     assert fences["wait_first"] == fences["whole"] and waits0["wait_first"] == waits0["whole"] + 1
     assert count["wait_first"] == count["whole"]
     # The partials' layouts: the same step, its 64 values a thread stored 2 or 4 to a store, with
@@ -1256,8 +1267,6 @@ def test_fp8_overlap_probe_forms_take_out_what_they_name():
         assert ptx[k].count("st.shared") == ptx["whole"].count("st.shared")
     # The CTA barriers Triton's analysis places, exact under the release measured (3.6; 3.9 places
     # one fewer without the MMAs): as the rule's, one fewer without the stream.
-    from escha.kernels.decode_wgmma import MEASURED_TRITON
-    from escha.kernels.triton_compat import TRITON_RELEASE
     if TRITON_RELEASE == MEASURED_TRITON:
         assert bars["whole"] > 0
         assert all(bars[k] == bars["whole"] for k in ("no_mma", "no_decode", "neither", "no_store"))
