@@ -22,10 +22,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton.language as _tl  # noqa: E402
 
-# Triton's CPU interpreter (3.6 to 3.9) patches triton.language.core's builtins with its own when an
-# interpreted kernel calls one of Triton's jit helpers (a reduction's combine function: tl.sum,
-# tl.max) and does not restore them (InterpretedFunction.__call__ opens a patch scope it never
-# closes). A later offline compile in the same process (the Gluon kernels' and probes' sm_90a PTX
+# Triton's CPU interpreter (3.6 to 3.9) patches triton.language.core's builtins with its own when a
+# jit helper of an interpreted kernel calls one of Triton's own jit functions (common._bit_partner,
+# the butterflies' partner fetch, calls tl.sum), and does not restore them:
+# InterpretedFunction.__call__ opens a patch scope over the callee's modules and never closes it. A later offline compile in the same process (the Gluon kernels' and probes' sm_90a PTX
 # tests) then builds tensor.to and scalar broadcasts with the interpreter's builder and fails,
 # unless Triton's cache already holds the kernel. Each test starts from the namespaces as they were
 # before any kernel ran.
