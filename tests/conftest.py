@@ -25,10 +25,11 @@ import triton.language as _tl  # noqa: E402
 # Triton's CPU interpreter (3.6 to 3.9) patches triton.language.core's builtins with its own when a
 # jit helper of an interpreted kernel calls one of Triton's own jit functions (common._bit_partner,
 # the butterflies' partner fetch, calls tl.sum), and does not restore them:
-# InterpretedFunction.__call__ opens a patch scope over the callee's modules and never closes it. A later offline compile in the same process (the Gluon kernels' and probes' sm_90a PTX
-# tests) then builds tensor.to and scalar broadcasts with the interpreter's builder and fails,
-# unless Triton's cache already holds the kernel. Each test starts from the namespaces as they were
-# before any kernel ran.
+# InterpretedFunction.__call__ opens a patch scope over the callee's modules and never closes it.
+# A later offline compile in the same process (the Gluon kernels' and probes' sm_90a PTX tests)
+# then builds tensor.to and scalar broadcasts with the interpreter's builder and fails, unless
+# Triton's cache already holds the kernel. Each test starts from the namespaces as they were before
+# any kernel ran.
 _NAMESPACES = (_tl.core, _tl.core.tensor, _tl.core.tensor_descriptor_base, _tl.math)
 _PRISTINE = [dict(vars(ns)) for ns in _NAMESPACES]
 
