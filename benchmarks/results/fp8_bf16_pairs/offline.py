@@ -4,43 +4,27 @@ the two-16-bit-store form (.prev/decode_fp8_b16.py, ``make_b16.py``), if made,
 and the output transform's loads for fp32 partials and for pair words. Counts, not timings.
 Usage (repository root): python benchmarks/results/fp8_bf16_pairs/offline.py > offline.txt"""
 import importlib
-import importlib.util
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from escha.kernels.compile_check import res_usage
+from escha.kernels.compile_check import cuobjdump, res_usage
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench_decode import load_previous  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 ST_PTX, ST_SASS, LD_PTX = r"st\.global[.\w]*", r"STG[.\w]*", r"ld\.global[.\w]*"
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 new = importlib.import_module("escha.kernels.decode_fp8")
-spec = importlib.util.spec_from_file_location("escha.kernels._decode_fp8_base", ".prev/decode_fp8_base.py")
-base = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = base
-spec.loader.exec_module(base)
 transforms = importlib.import_module("escha.kernels.transforms")
-arms = [("base", base), ("pairs", new)]
+arms = [("base", load_previous(".prev/decode_fp8_base.py")), ("pairs", new)]
 if os.path.exists(".prev/decode_fp8_b16.py"):  # make_b16.py: the pairs by two 16-bit stores
-    spec = importlib.util.spec_from_file_location("escha.kernels._decode_fp8_b16", ".prev/decode_fp8_b16.py")
-    b16 = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = b16
-    spec.loader.exec_module(b16)
-    arms.append(("b16", b16))
-
-
-def sass(cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    arms.append(("b16", load_previous(".prev/decode_fp8_b16.py")))
 
 
 print(f"triton {triton.__version__}, sm_90a")
@@ -48,7 +32,7 @@ print("fp8 GEMM (K=2): registers, stack bytes, PTX global stores, SASS STG, SASS
 for bn in sorted(new.BUILDS):
     for label, mod in arms:
         k = triton.compile(mod.gemm_source(2, bn), target=TARGET, options=mod.compile_options(bn))
-        s = sass(k.asm["cubin"])
+        s = cuobjdump(k.asm["cubin"], "-sass")
         instr = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", s, re.M))
         stores = dict(Counter(re.findall(ST_PTX, k.asm["ptx"])))
         stg = dict(Counter(re.findall(ST_SASS, s)))
