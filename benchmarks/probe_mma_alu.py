@@ -14,9 +14,9 @@ every step is
 
 in every program. Builds (``BUILDS``) mirror the fp8 GEMM's 256-token build (16 warps, four
 warpgroups of m64n128k32 over a [128, 256] accumulator, one program an SM) and its 128-token one
-(4 warps, m64n128, three programs an SM). Each integer round is four instructions a value (shf, lop3, prmt on the ALU
-pipe, one mad.lo on the FMA pipe, or four mad.lo), one dependent chain a value, VALS chains a
-thread: the decode's pipes, not its code. Forms, at each amount of integer work:
+(4 warps, m64n128, three programs an SM). Each integer round is four instructions a value (shf,
+lop3, prmt on the ALU pipe, one mad.lo on the FMA pipe, or four mad.lo), one dependent chain a
+value, VALS chains a thread: the decode's pipes, not its code. Forms, at each amount of integer work:
 
 - ``alu``: the integer work alone (no MMA);
 - ``mma``: the MMAs alone (ALU 0);
