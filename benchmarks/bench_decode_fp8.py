@@ -36,7 +36,7 @@ import escha
 from escha.bench.cuda_timing import GraphTimer
 from escha.format import random_qweight
 from escha.kernels.decode_fp8 import (config_with_block, decode_fp8, decode_fp8_config, decoded_fragments, gemm_partials,
-                                      mma_order, reference_core, wave_programs)
+                                      mma_order, partial_values, reference_core, wave_programs)
 from escha.kernels.decode_wgmma import decode_wgmma, summed_partials
 from escha.kernels.dequant_once import dequant_core_fp8
 from escha.kernels.transforms import prepare_input
@@ -90,7 +90,7 @@ def gate_point(qw, w_ref: torch.Tensor, m: int, cfg) -> tuple[float, float]:
     e_call = rel_err(y, x.double() @ w_ref.T) if torch.isfinite(y).all() else float("nan")
     xq, _, _ = prepare_input(x, qw, keep=False, fp8=True, mma_order=True)
     ws, counts = gemm_partials(xq, qw, cfg)
-    got = summed_partials(ws, counts)
+    got = summed_partials(partial_values(ws, m), counts)
     ref = xq.double() @ mma_order(reference_core(qw)).double().T
     return e_call, float((got - ref).norm() / ref.norm())
 

@@ -4,7 +4,7 @@ out (does the decode run under the MMAs? what do the activation stream and the p
     python benchmarks/probe_fp8_overlap.py --out DIR [--ms 128,256] [--shapes gate_up,down] [--rounds 5]
         [--stages 2,3,4,5]
 
-The GEMM alone (``decode_fp8.gemm_partials``, the rule's configuration at each point), in eleven
+The GEMM alone (``decode_fp8.gemm_partials``, the rule's configuration at each point), in nine
 forms built from today's ``escha/kernels/decode_fp8.py`` by editing its source in a temporary
 folder (nothing here is a kernel of the library):
 
@@ -18,9 +18,6 @@ folder (nothing here is a kernel of the library):
   its stage holds after the first STAGES tiles): decode, MMAs and barriers without the L2 reads;
 - ``no_store``: the partials' stores behind a branch never taken (the accumulator stays live);
 - ``no_stream_no_store``: both of the last two: the decode, the MMAs and the barriers;
-- ``tokens`` and ``tokens4``: the partials stored with the tokens contiguous ([segments, token
-  blocks, Np, BN], unmasked), two or four values a store instead of one; a layout the output
-  transform does not read, timed only where M is a multiple of the token block;
 - ``no_fence``: the proxy fence between the decoded tile's stores and the MMAs that read it left
   out (MEMBAR.ALL.CTA and FENCE.VIEW.ASYNC.S in the SASS): what the fence costs with the previous
   step's MMAs in flight (``probe_mma_alu.py``). Without it the MMAs may read a stale tile: timing only
@@ -28,7 +25,10 @@ folder (nothing here is a kernel of the library):
 - ``wait_first``: the previous step's MMAs waited for (wait_group 0) after this step's decode and
   before its tile's stores and fence (the wait after the issue left, with nothing to wait for):
   the fence with no MMA in flight; the same retirement order, so legal (gated as ``whole``).
-(A form with neither the decode, the MMAs nor the stream crashed triton 3.6.0's ptxas 12.8, offline.)
+(A form with neither the decode, the MMAs nor the stream crashed triton 3.6.0's ptxas 12.8, offline.
+The forms ``tokens`` and ``tokens4``, fp32 partials stored token-major, timed against the fp32
+partials the GEMM had then, are in git history at 71f6154: the 64- and 128-token builds store bf16
+pairs since, which the output transform reads with no layout change.)
 
 Beside them ``stream``: a plain Triton kernel that reads the same activation tiles on the same grid
 and does nothing else (what the activation ring's bytes alone cost). ``--stages`` adds the whole
@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from escha.bench.cuda_timing import GraphTimer
-from escha.kernels.decode_fp8 import PROGRAMS_PER_SM
+from escha.kernels.decode_fp8 import PROGRAMS_PER_SM, partial_values
 from escha.kernels.decode_wgmma import summed_partials
 from escha.kernels.transforms import prepare_input
 
@@ -81,40 +81,10 @@ WAIT1 = "            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))\n"
 WAIT_FIRST = ("            a_tile = _decoded_fp8(w, BITS, L8, ROWS)\n"
               "            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))\n"
               "            a_smem.index(ab).store(a_tile)\n")
-STORE = "        _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)\n"
+STORE = "        _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA, PAIRS)\n"
 NO_STORE = "        if M < 0:  # never: the accumulator stays live, nothing is stored\n    " + STORE
 ZEROS = ("            a_smem.index(ab).store(gl.zeros([ROWS, 128], gl.float8e4nv, layout=gl.BlockedLayout(\n"
          "                [1, 16], [8, 4], [NW, 1], [1, 0])))\n")
-
-
-PARTIALS = "    gl.store(base + tok[None, :] * Np + rows[:, None], acc, mask=tok[None, :] < M - row0)\n"
-# The partials as [segments, token blocks, Np, BN], a thread's two adjacent tokens side by side
-# (one 8-byte store), and unmasked: the layout the output transform does not read (timing only,
-# at M a multiple of the token block, where it fills the workspace exactly).
-TOKENS = ("    tb_base = ((seg * gl.num_programs(1) + row0 // BN) * Np).to(gl.int64) * BN\n"
-          "    gl.store(ws_ptr + tb_base + rows[:, None] * BN + tok[None, :], acc)\n")
-# The same with each 16-token group's columns reordered so that a thread's four values (two
-# adjacent tokens of two 8-token halves) are side by side: one 16-byte store, registers only.
-TOKENS4 = ("    tb_base = ((seg * gl.num_programs(1) + row0 // BN) * Np).to(gl.int64) * BN\n"
-           "    a2 = gl.reshape(gl.permute(gl.reshape(acc, [ROWS, BN // 16, 2, 4, 2]), [0, 1, 3, 2, 4]), [ROWS, BN])\n"
-           "    a2 = gl.convert_layout(a2, _pairs_first(a2.type.layout))\n"
-           "    r2 = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, a2.type.layout))\n"
-           "    c2 = gl.arange(0, BN, layout=gl.SliceLayout(0, a2.type.layout))\n"
-           "    gl.store(ws_ptr + tb_base + r2[:, None] * BN + c2[None, :], a2)\n")
-PAIRS_FIRST = '''
-
-@gluon.constexpr_function
-def _pairs_first(layout):
-    """``layout`` with its register bases of columns 1 and 2 first: a thread's four adjacent columns
-    in consecutive registers (the same lanes and warps: a register permutation, no data moves)."""
-    regs = [list(b) for b in layout.reg_bases]
-    first = sorted((b for b in regs if b in ([0, 1], [0, 2])), key=lambda b: b[1])
-    rest = [b for b in regs if b not in ([0, 1], [0, 2])]
-    return gl.DistributedLinearLayout(reg_bases=first + rest, lane_bases=layout.lane_bases, warp_bases=layout.warp_bases,
-                                      block_bases=layout.block_bases, shape=layout.shape)
-
-'''
-STORE_DEF = "\n@gluon.jit\ndef _store_rows"
 
 
 def no_stream(src: str) -> str:
@@ -123,18 +93,16 @@ def no_stream(src: str) -> str:
 
 
 def variants(folder: str) -> dict:
-    """{name: module} of the eleven forms, each from an edited copy of decode_fp8.py."""
+    """{name: module} of the nine forms, each from an edited copy of decode_fp8.py."""
     with open(SOURCE) as f:
         src = f.read()
-    assert all(src.count(t) == 1 for t in (MMA, DECODE, WAIT, REFILL, STORE, PARTIALS, STORE_DEF, FENCE, WAIT1)), \
+    assert all(src.count(t) == 1 for t in (MMA, DECODE, WAIT, REFILL, STORE, FENCE, WAIT1)), \
         "decode_fp8.py's step changed: edit the probe"
     forms = {"whole": src, "no_mma": src.replace(MMA, ""), "no_decode": src.replace(DECODE, ZEROS),
              "neither": src.replace(MMA, "").replace(DECODE, ZEROS),
              "no_stream": no_stream(src),
              "no_store": src.replace(STORE, NO_STORE),
              "no_stream_no_store": no_stream(src).replace(STORE, NO_STORE),
-             "tokens": src.replace(PARTIALS, TOKENS),
-             "tokens4": src.replace(PARTIALS, TOKENS4).replace(STORE_DEF, PAIRS_FIRST + STORE_DEF),
              "no_fence": src.replace(FENCE, ""),
              "wait_first": src.replace(DECODE, WAIT_FIRST)}
     mods = {}
@@ -207,12 +175,12 @@ def main() -> int:
                 errs = {}
                 for k in ("whole", "wait_first", "no_fence"):  # the last one is read, not required
                     part, counts = mods[k].gemm_partials(xq, ws[0], cfg, tokens=m)
-                    got = summed_partials(part, counts)
+                    got = summed_partials(partial_values(part, m), counts)
                     errs[k] = float((got - exact).norm() / exact.norm())
                 err = max(errs["whole"], errs["wait_first"])
                 ok = err <= 2.0**-8
                 arms = {k: (lambda i, mod=mod: mod.gemm_partials(xq, ws[i], cfg, tokens=m), len(ws))
-                        for k, mod in mods.items() if m % cfg.block_tokens == 0 or not k.startswith("tokens")}
+                        for k, mod in mods.items()}
                 np_, kp = ws[0].padded_shape
                 steps = (np_ // (16 * cfg.warps_m)) * (kp // 128)
                 sink = torch.empty(cfg.programs * (xq.shape[0] // cfg.block_tokens), dtype=torch.int32, device="cuda")

@@ -252,6 +252,42 @@ def test_hadamard_output_reads_only_the_rows_of_out():
         hadamard_output(z[:, :m - 1].contiguous(), qw, inv, torch.empty(m, 300, dtype=torch.bfloat16, device=DEV))
 
 
+@pytest.mark.parametrize("m", [1, 6, 17])
+@pytest.mark.parametrize("head", [False, True])
+def test_hadamard_output_paired_words_as_fp32(m, head):
+    """bf16 partials packed two tokens a word (decode_fp8's: token 2i low, 2i + 1 high) give the
+    bits of the same values handed over as fp32 partials, at every launch shape; the high half of
+    the last word past an odd M, poisoned with NaN, goes nowhere. Words of too few rows, or a
+    non-unit stride along Np, are refused."""
+    g = torch.Generator().manual_seed(m + 100 * head)
+    qw = random_qweight(300, 256, 2, seed=m, device=DEV)
+    np_ = qw.padded_shape[0]
+    half = (m + 1) // 2
+    vals = torch.randn(3, 2 * half, np_, generator=g).to(torch.bfloat16)
+    vals[:, m:] = float("nan")
+    bits = vals.view(torch.int16).to(torch.int32) & 0xFFFF
+    words = (bits[:, 0::2] | (bits[:, 1::2] << 16)).to(DEV)
+    z = vals[:, :m].float().to(DEV)
+    inv = torch.exp2(torch.randint(-5, 6, (m,), generator=g).float()).to(DEV)
+    hn = None
+    if head:
+        hn = HeadNorm((torch.rand(384, generator=g) + 0.5).to(DEV, torch.bfloat16),
+                      torch.tensor([1, 0, 0], dtype=torch.int8, device=DEV), 1e-6)
+
+    def out():
+        return torch.full((m, 300), float("nan"), dtype=torch.bfloat16, device=DEV)
+
+    want = hadamard_output(z, qw, inv, out(), head_norm=hn)
+    assert torch.isfinite(want).all()
+    for shape in [None, (1, 4), (2, 2), (8, 4), (16, 4)]:
+        assert torch.equal(hadamard_output(words, qw, inv, out(), head_norm=hn, shape=shape), want), shape
+    with pytest.raises(ValueError, match="bad shapes"):
+        hadamard_output(words[:, :half - 1], qw, inv, out())
+    if half > 1:  # (a single word row has unit stride along Np whatever its layout)
+        with pytest.raises(ValueError, match="bad shapes"):
+            hadamard_output(words.transpose(1, 2).contiguous().transpose(1, 2), qw, inv, out())
+
+
 def test_hadamard_output_head_norm_against_the_model_norm():
     """The flagged head normalised as HeadNorm.apply does it to the projection's bf16 output."""
     g = torch.Generator().manual_seed(5)

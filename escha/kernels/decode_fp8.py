@@ -4,8 +4,8 @@
 
 The register-operand decode kernel's words (``decode_wgmma.pack_words``, here loaded straight into
 registers two steps ahead), even split of (row tile, k-block) steps over one wave of programs, TMA
-ring for the activations and fp32 partials for ``transforms.hadamard_output``; but the decoded
-weights are 16 T (``common.DECODE_FP8_SCALE_LOG2``: the codec forms them with no multiply, |16 T|
+ring for the activations and split-K partials for ``transforms.hadamard_output`` (bf16 pairs, two
+tokens a word, in the 64- and 128-token builds; fp32 in the 256-token one); but the decoded weights are 16 T (``common.DECODE_FP8_SCALE_LOG2``: the codec forms them with no multiply, |16 T|
 < 64, no saturation) rounded to e4m3, stored to shared memory
 (``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3`` with both operands from shared memory,
 issued asynchronously: the next step's decode runs while this step's MMAs do. The activations are
@@ -126,19 +126,34 @@ def _decoded_fp8(w, BITS: gl.constexpr, L8: gl.constexpr, ROWS: gl.constexpr):
 
 @gluon.jit
 def _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN: gl.constexpr, ROWS: gl.constexpr,
-                MMA: gl.constexpr):
+                MMA: gl.constexpr, PAIRS: gl.constexpr):
     """Program p's part of row tile ``tile`` (ROWS rows, accumulator [ROWS, BN] in layout MMA) as
-    its segment of the fp32 partials [segments, M, Np] (``decode_wgmma._store_partials``)."""
+    its segment of the partials (``decode_wgmma._store_partials``'s rule): fp32 [segments, M, Np],
+    or with PAIRS int32 words [segments, (M + 1) // 2, Np] whose low and high bf16 halves are
+    tokens 2i and 2i + 1 of a row. A thread holds those two tokens: one cvt packs them, one 32-bit
+    store writes them, and eight lanes' rows fill a 32-byte sector, as fp32 partials do with twice
+    the bytes."""
     seg = p - (((tile * NKB + 1).to(gl.int64) * PROGRAMS + STEPS - 1) // STEPS).to(gl.int32) + 1
     # Np and M through an opaque move: the offsets and the mask are computed here, not hoisted out
     # of the loop into registers held across it (one a stored element: 110 more registers at 128
     # tokens, offline).
     Np, M = gl.inline_asm_elementwise("mov.b32 $0, $2; mov.b32 $1, $3;", "=r,=r,r,r", [Np, M],
                                       dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
-    tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-    rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
-    base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
-    gl.store(base + tok[None, :] * Np + rows[:, None], acc, mask=tok[None, :] < M - row0)
+    if PAIRS:
+        v = acc.to(gl.bfloat16).reshape([ROWS, BN // 2, 2])  # a thread's two adjacent tokens (registers only)
+        VL: gl.constexpr = v.type.layout
+        pair = gl.arange(0, BN // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL)))
+        rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL)))
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL)))
+        base = ws_ptr + (seg * ((M + 1) // 2) + row0 // 2).to(gl.int64) * (2 * Np)
+        offs = (pair[None, :] * Np + rows[:, None]) * 2
+        gl.store(base + offs[:, :, None] + half[None, None, :], v,
+                 mask=(2 * pair[None, :] < M - row0)[:, :, None])
+    else:
+        tok = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+        rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+        base = ws_ptr + (seg * M + row0).to(gl.int64) * Np
+        gl.store(base + tok[None, :] * Np + rows[:, None], acc, mask=tok[None, :] < M - row0)
 
 
 @gluon.jit
@@ -158,11 +173,11 @@ def _step_words(words_ptr, tile, kb, NKB, ok, NW: gl.constexpr, R2: gl.constexpr
 @gluon.jit
 def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WM: gl.constexpr,
-                       WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr):
+                       WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr, PAIRS: gl.constexpr):
     """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
     token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
-    e4m3(16 T_blk) x'_q^T, written as fp32 partials [segments, M, Np] (``decode_wgmma``'s even
-    split and output). Each step's words come from global memory into registers two steps ahead,
+    e4m3(16 T_blk) x'_q^T, written as partials (``decode_wgmma``'s even split; fp32 [segments, M, Np],
+    or with PAIRS bf16 pairs, ``_store_rows``). Each step's words come from global memory into registers two steps ahead,
     its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3 weights
     into one of two shared buffers, and the wgmma reads both operands from shared memory,
     asynchronously: step i's decode runs while step i - 1's MMAs do. Three CTA barriers a step:
@@ -246,7 +261,7 @@ def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
             phase ^= (stage == STAGES).to(gl.int32)
             stage = gl.where(stage == STAGES, 0, stage)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA)
+        _store_rows(ws_ptr, acc, p, tile, M, Np, NKB, STEPS, PROGRAMS, row0, BN, ROWS, MMA, PAIRS)
     if PDL:
         _grid_dependency(_RELEASE_ASM)
     for i in gl.static_range(STAGES):
@@ -313,6 +328,7 @@ class DecodeFp8Config:
     programs: int  # programs per token block, sharing its row tiles x k-blocks evenly
     dependent_launch: bool  # the three kernels as programmatic dependents, the GEMM starting early
     max_registers: int | None = None  # ptxas register cap a thread (None: the compiler's choice)
+    bf16_pairs: bool = False  # partials as bf16, two tokens a 32-bit word (PAIRED_BLOCKS); else fp32
 
 
 #: The build of each token block: (stages, warps_m, warps_n, register cap), and the programs one SM
@@ -321,6 +337,9 @@ class DecodeFp8Config:
 #: 64-token build's cap keeps 4 an SM with the add.f16 sum (163 registers uncapped, 3 an SM).
 BUILDS = {64: (3, 4, 1, 128), 128: (2, 4, 1, 168), 256: (3, 8, 2, None)}
 PROGRAMS_PER_SM = {64: 4, 128: 3, 256: 1}
+#: The token blocks whose builds store their partials as bf16 pairs (the 256-token build's epilogue
+#: spills with them under its 128-register bound: note at the end).
+PAIRED_BLOCKS = frozenset({64, 128})
 MIN_STEPS = 2  # k-blocks a program takes at least
 
 
@@ -367,23 +386,26 @@ def _config(np_: int, kp: int, m: int, block_tokens: int | None, device: torch.d
     programs = wave_programs((np_, kp), m, block_tokens, warps_m, PROGRAMS_PER_SM[block_tokens], sms)
     return DecodeFp8Config(block_tokens=block_tokens, stages=stages, warps_m=warps_m, warps_n=warps_n,
                            programs=programs, dependent_launch=device is None or dependent_launch_supported(device),
-                           max_registers=cap)
+                           max_registers=cap, bf16_pairs=block_tokens in PAIRED_BLOCKS)
 
 
-def gemm_source(bits: int, block_tokens: int, pdl: bool = True, build: tuple[int, int, int] | None = None):
+def gemm_source(bits: int, block_tokens: int, pdl: bool = True, build: tuple[int, int, int] | None = None,
+                pairs: bool | None = None):
     """The GEMM kernel in the rule's build of ``block_tokens`` (BUILDS), or in ``build`` (stages,
-    warps_m, warps_n), specialized as a launch specializes it, for ``triton.compile`` off the GPU
-    (the tests' and the census's sm_90a builds)."""
+    warps_m, warps_n), with bf16-pair partials where ``pairs`` (None: the rule's, PAIRED_BLOCKS),
+    specialized as a launch specializes it, for ``triton.compile`` off the GPU (the tests' and the
+    census's sm_90a builds)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     stages, wm, wn = build or BUILDS[block_tokens][:3]
+    pairs = block_tokens in PAIRED_BLOCKS if pairs is None else pairs
     sig = {"x_desc": f"tensordesc<fp8e4nv[{block_tokens}, {BLOCK_K}],{x_smem_layout(block_tokens)!r}>",
-           "words_ptr": "*i32", "ws_ptr": "*fp32",
+           "words_ptr": "*i32", "ws_ptr": "*bf16" if pairs else "*fp32",
            "M": "i32", "Np": "i32", "NKB": "i32", "STEPS": "i32", "PROGRAMS": "i32",
            "BITS": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "WM": "constexpr",
-           "WN": "constexpr", "A_SMEM": "constexpr", "PDL": "constexpr"}
+           "WN": "constexpr", "A_SMEM": "constexpr", "PDL": "constexpr", "PAIRS": "constexpr"}
     return GluonASTSource(_decode_fp8_kernel, sig,
                           constexprs={"BITS": bits, "BN": block_tokens, "STAGES": stages, "WM": wm, "WN": wn,
-                                      "A_SMEM": a_smem_layout(16 * wm), "PDL": pdl},
+                                      "A_SMEM": a_smem_layout(16 * wm), "PDL": pdl, "PAIRS": pairs},
                           attrs={(1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
 
 
@@ -405,7 +427,7 @@ def decode_fp8(x: torch.Tensor, qw: QuantizedWeight, *, config: DecodeFp8Config 
     the output transform (as ``decode_wgmma``).
 
     Three kernels, programmatic dependents where the device has them: ``transforms.prepare_input``
-    with ``fp8`` (x' * 2**e in e4m3, fp8 MMA column order), the GEMM (fp32 partials), and
+    with ``fp8`` (x' * 2**e in e4m3, fp8 MMA column order), the GEMM (split-K partials), and
     ``transforms.hadamard_output`` (their sum, Hn, the row scales, 2**-e / 16). Accuracy is the
     fp8 paths' (e4m3 weights and activations).
     """
@@ -438,7 +460,7 @@ def launch_checked(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config
     if plan is not None:
         layout = x_smem_layout(cfg.block_tokens)
         y = run_kept(plan, key, plans.setdefault(_GRAPHS, {}), x2d, out, norm, head_norm,
-                     lambda: _parts(x2d, qw, plan.segments, rows), lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
+                     lambda: _parts(x2d, qw, plan.segments, rows, cfg), lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, fp8=True,
@@ -451,21 +473,45 @@ def launch_checked(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config
     return y.reshape(*x.shape[:-1], qw.out_features)
 
 
-def _parts(x2d: torch.Tensor, qw: QuantizedWeight, segs: int, rows: int) -> list:
+def _parts(x2d: torch.Tensor, qw: QuantizedWeight, segs: int, rows: int, cfg: DecodeFp8Config) -> list:
     """The (shape, dtype) of a call's x, x', 2**-e, partials and y (``transforms.run_kept``)."""
     m, k = x2d.shape
     np_, kp = qw.padded_shape
-    return [((m, k), x2d.dtype), ((rows, kp), FP8_DTYPE), ((m,), torch.float32), ((segs, m, np_), torch.float32),
+    return [((m, k), x2d.dtype), ((rows, kp), FP8_DTYPE), ((m,), torch.float32), _partials_shape(m, np_, segs, cfg),
             ((m, qw.out_features), x2d.dtype)]
+
+
+def _partials_shape(m: int, np_: int, segs: int, cfg: DecodeFp8Config) -> tuple[tuple[int, ...], torch.dtype]:
+    """The GEMM's partials: int32 words [segs, (m + 1) // 2, Np] of bf16 pairs, or fp32 [segs, m, Np]."""
+    if cfg.bf16_pairs:
+        return (segs, (m + 1) // 2, np_), torch.int32
+    return (segs, m, np_), torch.float32
 
 
 def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,
                   tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM alone: fp32 partials [segments, M, Np] of x'_q (e4m3 [rows, Kp], fp8 MMA column
-    order: ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(16 T), and each 64-row group's count of
-    them (``hadamard_output``'s ``segments``; the other partials are left unwritten). M is
-    ``tokens`` (default: x''s rows); x' may have more rows, which are read and not stored."""
+    """The GEMM alone: the partials of x'_q (e4m3 [rows, Kp], fp8 MMA column order:
+    ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(16 T), as fp32 [segments, M, Np]
+    or, with ``cfg.bf16_pairs``, int32 words [segments, (M + 1) // 2, Np] that hold two tokens'
+    bf16 partials each (``partial_values`` reads both), and each 64-row group's count of them (``hadamard_output``'s ``segments``; the other partials
+    are left unwritten). M is ``tokens`` (default: x''s rows); x' may have more rows, which are
+    read and not stored."""
     return _gemm(xq, qw, cfg, tokens, keep=False)[:2]
+
+
+def partial_values(words: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The partials [segments, tokens, Np] that ``gemm_partials`` returned: fp32 ones as they are,
+    int32 words as the bf16 values they hold (token 2i in the low half of word row i, 2i + 1 in
+    the high half; tests, benchmarks)."""
+    s, half, np_ = words.shape
+    if words.dtype == torch.float32 and 0 < tokens <= half:
+        return words[:, :tokens]
+    if words.dtype != torch.int32 or not 0 < tokens <= 2 * half:
+        raise ValueError(f"need int32 words or fp32 partials of at least {tokens} tokens, "
+                         f"got {words.dtype} {list(words.shape)}")
+    lo = (words << 16).view(torch.float32)
+    hi = (words & -65536).view(torch.float32)
+    return torch.stack((lo, hi), 2).reshape(s, 2 * half, np_)[:, :tokens].to(torch.bfloat16)
 
 
 def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config, tokens: int | None,
@@ -487,13 +533,15 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config, tokens: i
     # Built once per grid (device ops inside a graph would be kernels of every replay).
     counts = device_constant(("segments", programs, tiles, nkb, frags), xq.device,
                              lambda: segment_counts(programs, tiles, nkb, frags, xq.device))
-    ws = torch.empty((_most_segments(programs, tiles, nkb), m, np_), dtype=torch.float32, device=xq.device)
+    shape, dtype = _partials_shape(m, np_, _most_segments(programs, tiles, nkb), cfg)
+    ws = torch.empty(shape, dtype=dtype, device=xq.device)
     x_desc = TensorDescriptor.from_tensor(xq, [cfg.block_tokens, BLOCK_K], x_smem_layout(cfg.block_tokens))
     grid = (programs, triton.cdiv(m, cfg.block_tokens))
-    prepared = prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).words, ws, m, np_, nkb, tiles * nkb, programs,
+    prepared = prepare(_decode_fp8_kernel, grid, x_desc, _packed(qw).words,
+                       ws.view(torch.bfloat16) if cfg.bf16_pairs else ws, m, np_, nkb, tiles * nkb, programs,
                        slots=("x_desc", "ws_ptr") if keep else None, BITS=qw.bits, BN=cfg.block_tokens,
                        STAGES=cfg.stages, WM=cfg.warps_m, WN=cfg.warps_n, A_SMEM=a_smem_layout(16 * cfg.warps_m),
-                       PDL=cfg.dependent_launch, num_warps=cfg.warps_m * cfg.warps_n,
+                       PDL=cfg.dependent_launch, PAIRS=cfg.bf16_pairs, num_warps=cfg.warps_m * cfg.warps_n,
                        launch_pdl=cfg.dependent_launch, maxnreg=cfg.max_registers)
     return ws, counts, prepared
 

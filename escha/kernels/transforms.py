@@ -288,30 +288,11 @@ def hadamard_input(x2d: torch.Tensor, qw: QuantizedWeight, mma_order: bool = Fal
 
 
 @triton.jit
-def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr, heps,
-                             M, ZM, N_out, Np, stride_ym,
-                             SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr):
-    """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype
-    (z [SPLIT, ZM, Np]: its rows from M on are not read).
-
-    The partials are summed in the fixed order s = 0, 1, ..., so the result is bitwise
-    reproducible; rows of 64-row group r take the first seg[r] of the SPLIT partials (the GEMM
-    wrote no others there). With PDL the weight's own data (H, row scales, segment counts) is
-    read while the GEMM finishes; z and 2**-e only after it. With HEAD_NORM, a block flagged in ``hb`` is one attention
-    head, normalised as the model's per-head RMSNorm does it (escha.norm.HeadNorm): the program
-    holds the whole head of each of its tokens.
-    """
-    nb = tl.program_id(0)
-    mb = tl.program_id(1)
-    m = mb * BM + tl.arange(0, BM)[:, None]
-    n = nb * 128 + tl.arange(0, 128)[None, :]
+def _output_rows(z, m, n, nb, rs, M, N_out, inv_ptr, hw_ptr, hb_ptr, heps, y_ptr, stride_ym,
+                 HEAD_NORM: tl.constexpr):
+    """y[m, n] = crop((z H) * rs * 2**-e[m]) for the summed partials z [rows, 128] of tokens m
+    (a column) and the 128-row block nb (n, a row), with the head norm where ``hb`` flags nb."""
     mmask = m < M
-    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
-    seg = tl.load(seg_ptr + n // 64)
-    wait_for_producer(PDL)
-    z = tl.zeros([BM, 128], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        z += tl.load(z_ptr + (s * ZM + m) * Np + n, mask=mmask & (s < seg), other=0.0)
     # z H in fp32 butterflies (hadamard128): exact +-1 products, 7 fp32 roundings a value.
     h = hadamard128(z) * INV_SQRT_HAD
     inv = tl.load(inv_ptr + m, mask=mmask, other=0.0)
@@ -326,6 +307,50 @@ def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_pt
         yn = round_to(w * round_to(yr * rstd, OUT).to(tl.float32), OUT).to(tl.float32)
         y = tl.where(tl.load(hb_ptr + nb) != 0, yn, y)
     tl.store(y_ptr + m * stride_ym + n, round_to(y, y_ptr.dtype.element_ty), mask=mmask & (n < N_out))
+
+
+@triton.jit
+def _output_transform_kernel(z_ptr, y_ptr, scale_ptr, su_ptr, gscale_ptr, inv_ptr, hw_ptr, hb_ptr, seg_ptr, heps,
+                             M, N_out, stride_zs, stride_zm, stride_ym,
+                             SPLIT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr, HEAD_NORM: tl.constexpr,
+                             PAIRED: tl.constexpr):
+    """Program (nb, mb): y[mb*BM.., nb*128..] = crop((H sum_s z[s]) * g*c*su * 2**-e) in y's dtype.
+
+    z: fp32 partials [SPLIT, >= M, Np] (rows from M on are not read), or with PAIRED int32 words
+    [SPLIT, >= M/2, Np] whose low and high halves are the bf16 partials of tokens 2i and 2i + 1
+    (``decode_fp8``'s: a program's BM tokens are its BM/2 word rows, read as wide as fp32 rows;
+    a pair's second token past M is read and goes nowhere); unit stride along Np either way.
+
+    The partials are summed in the fixed order s = 0, 1, ..., so the result is bitwise
+    reproducible; rows of 64-row group r take the first seg[r] of the SPLIT partials (the GEMM
+    wrote no others there). With PDL the weight's own data (H, row scales, segment counts) is
+    read while the GEMM finishes; z and 2**-e only after it. With HEAD_NORM, a block flagged in ``hb`` is one attention
+    head, normalised as the model's per-head RMSNorm does it (escha.norm.HeadNorm): the program
+    holds the whole head of each of its tokens.
+    """
+    nb = tl.program_id(0)
+    mb = tl.program_id(1)
+    n = nb * 128 + tl.arange(0, 128)[None, :]
+    rs = row_scale_block(scale_ptr, su_ptr, gscale_ptr, n, n < N_out)
+    seg = tl.load(seg_ptr + n // 64)
+    wait_for_producer(PDL)
+    if PAIRED:
+        i = mb * (BM // 2) + tl.arange(0, BM // 2)[:, None]  # word rows: tokens 2i and 2i + 1
+        lo = tl.zeros([BM // 2, 128], dtype=tl.float32)
+        hi = tl.zeros([BM // 2, 128], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            w = tl.load(z_ptr + s * stride_zs + i * stride_zm + n, mask=(2 * i < M) & (s < seg), other=0)
+            lo += (w << 16).to(tl.float32, bitcast=True)  # a bf16's bits are an fp32's top half
+            hi += (w & -65536).to(tl.float32, bitcast=True)
+        _output_rows(lo, 2 * i, n, nb, rs, M, N_out, inv_ptr, hw_ptr, hb_ptr, heps, y_ptr, stride_ym, HEAD_NORM)
+        _output_rows(hi, 2 * i + 1, n, nb, rs, M, N_out, inv_ptr, hw_ptr, hb_ptr, heps, y_ptr, stride_ym,
+                     HEAD_NORM)
+    else:
+        m = mb * BM + tl.arange(0, BM)[:, None]
+        z = tl.zeros([BM, 128], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            z += tl.load(z_ptr + s * stride_zs + m * stride_zm + n, mask=(m < M) & (s < seg), other=0.0)
+        _output_rows(z, m, n, nb, rs, M, N_out, inv_ptr, hw_ptr, hb_ptr, heps, y_ptr, stride_ym, HEAD_NORM)
 
 
 #: Output-transform programs the rule aims at: about four an SM of an H100/H200 (132).
@@ -349,10 +374,12 @@ def output_shape(m: int, np_: int, parallel: bool = True) -> tuple[int, int]:
 def hadamard_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor, out: torch.Tensor,
                     dependent_launch: bool = False, head_norm: HeadNorm | None = None,
                     segments: torch.Tensor | None = None, shape: tuple[int, int] | None = None) -> torch.Tensor:
-    """Sum split partials z [SPLIT, Mz, Np] (fp32) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
+    """Sum split partials z [SPLIT, Mz, Np] (fp32; or int32 words [SPLIT, Mz/2, Np] holding the bf16
+    partials of two tokens each, ``decode_fp8``'s) in order, apply Hn, g*c*su, 2**-e; write out [M, out].
 
-    ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride; z
-    may hold more rows than out (Mz >= M: a GEMM's rows rounded up), which are not read.
+    ``out`` is preallocated in the output dtype (fp16, bf16 or fp32) with unit column stride; z,
+    with unit stride along Np, may hold more rows than out (Mz >= M: a GEMM's rows rounded up),
+    which are not read.
     ``dependent_launch``: launched as a programmatic dependent of the GEMM that writes z.
     ``head_norm``: the per-head RMSNorm of the flagged blocks (weight of out's dtype, heads whole
     inside the output), applied before the store.
@@ -377,9 +404,12 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     bm, warps = shape or output_shape(m, np_, parallel=not interpreted())
     if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8):
         raise ValueError(f"shape must be (tokens a power of two, warps 1/2/4/8), got {shape}")
-    if (np_ != qw.padded_shape[0] or zm < m or out.dim() != 2 or out.shape[1] != qw.out_features
-            or out.stride(1) != 1):
-        raise ValueError(f"bad shapes: z {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
+    paired = z.dtype == torch.int32
+    if (np_ != qw.padded_shape[0] or zm * (2 if paired else 1) < m or out.dim() != 2
+            or out.shape[1] != qw.out_features or out.stride(1) != 1 or z.stride(2) != 1
+            or z.dtype not in (torch.float32, torch.int32)):
+        raise ValueError(f"bad shapes: z {z.dtype} {list(z.shape)}, out {list(out.shape)} for weight {qw.shape}")
+    bm = max(bm, 2) if paired else bm  # a program takes whole word rows
     if segments is None:
         segments = constant_vector(z.device, np_ // 64, split, torch.int32)  # every partial counts
     elif segments.shape != (np_ // 64,) or segments.dtype != torch.int32 or segments.device != z.device:
@@ -389,9 +419,9 @@ def prepare_output(z: torch.Tensor, qw: QuantizedWeight, inv_scale: torch.Tensor
     grid = (np_ // HAD_BLOCK, triton.cdiv(m, bm))
     hw, hb = (out, out) if head_norm is None else (head_norm.weight, head_norm.blocks)
     args = (z, out, qw.scale, qw.su, qw.gscale, inv_scale, hw, hb, segments,
-            0.0 if head_norm is None else head_norm.eps, m, zm, qw.out_features, np_, out.stride(0))
-    settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, num_warps=warps,
-                    launch_pdl=dependent_launch)
+            0.0 if head_norm is None else head_norm.eps, m, qw.out_features, z.stride(0), z.stride(1), out.stride(0))
+    settings = dict(SPLIT=split, BM=bm, PDL=dependent_launch, HEAD_NORM=head_norm is not None, PAIRED=paired,
+                    num_warps=warps, launch_pdl=dependent_launch)
     return prepare(_output_transform_kernel, grid, *args, slots=OUTPUT_SLOTS if keep else None, **settings)
 
 
