@@ -426,7 +426,7 @@ def main() -> int:
             results["points"].append(point)
             with open(os.path.join(args.out, "decode_wgmma.json"), "w") as f:
                 json.dump(results, f, indent=1)
-        del ws, w_ref, dense_rot
+        ws = w_ref = dense_rot = None  # freed before the next shape (a rebinding: the arms name ws)
         torch.cuda.empty_cache()
     return 0
 

@@ -589,3 +589,12 @@ def _gemm(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config, tokens: i
 # kernels): a TMA box that runs far past x' costs the loop; at 72 tokens (56 rows past a 128-row
 # box) gate_up / down / 8B down 46.4 / 27.5 / 33.9 us against 61.1 / 34.6 / 35.9 (x' rounded to 16
 # rows only: 55.0 / 32.8 / 34.7), at 136 gate_up 66.3 against 68.9; 96 and 200 within 1%.
+# Partials as bf16 pairs (PAIRED_BLOCKS), two tokens a 32-bit word: half the GEMM's stores and the
+# output transform's reads, with no layout conversion in either kernel. On an H100, whole call in
+# one process against fp32 partials (results/fp8_bf16_pairs/h100_0193475): 2-9% less at 72-128
+# tokens on gate_up, down and 8B down (gate_up 128 48.3 against 52.3 us, down 128 29.2 against
+# 32.0). Not in the 256-token build: under its 128-register bound the pair stores spill 128 bytes
+# in the epilogue (every 32-bit form tried offline spilled), and the call was 1-7% slower at
+# 136-256 on down and 8B down (down 256: the GEMM alone 34.9 -> 38.2 us) though its output
+# transform halved (gate_up 256 15.2 -> 7.0 us). The builds here are those measured, SASS for SASS
+# (results/fp8_pairs_blocks/offline.txt).
