@@ -4,7 +4,8 @@
 #   benchmarks/snapshot_kernels.sh base REV   # REV: the tree before the change, the arm fp8@base
 # and carry .prev (ignored). Steps: the GPU tests of the fp8 kernel and the transforms, the A/B at
 # 72-256 tokens on three shapes, then memcheck and racecheck of the fp8 path (fp8-check's sanitizer
-# steps). About 550 s; TESTS_S, ROUNDS, FP8_MS and SANITIZERS trim it, STEPS picks the steps.
+# steps). At most 600 s with TESTS_S=150 BENCH_S=200 SAN_S=110; ROUNDS, FP8_MS and SANITIZERS trim
+# it, STEPS picks the steps (tests, bench, sanitizers).
 set -uo pipefail
 out=${1:-/tmp/fp8_pairs_blocks}
 mkdir -p "$out"
@@ -23,6 +24,6 @@ step tests ${TESTS_S:-150} python -m pytest -q -m gpu -p no:cacheprovider tests/
 step bench ${BENCH_S:-400} python benchmarks/bench_decode_fp8.py --out "$out/bench" --rounds "${ROUNDS:-5}" \
   --ms "${FP8_MS:-72,96,128,136,192,256}" --previous .prev/decode_fp8_base.py
 for tool in ${SANITIZERS-memcheck racecheck}; do
-  step "sanitizers_$tool" 150 env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 \
+  step "sanitizers_$tool" ${SAN_S:-150} env ESCHA_SANITIZER_GRID=small ESCHA_SANITIZER_PATHS=decode-fp8 \
     ESCHA_SANITIZER_MS=1,100,130,300 ESCHA_SANITIZER_TOOLS=$tool benchmarks/run_sanitizer.sh "$out/sanitizers_$tool.txt"
 done
