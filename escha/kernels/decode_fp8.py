@@ -5,11 +5,12 @@
 The register-operand decode kernel's words (``decode_wgmma.pack_words``, here loaded straight into
 registers two steps ahead), even split of (row tile, k-block) steps over one wave of programs, TMA
 ring for the activations and split-K partials for ``transforms.hadamard_output`` (bf16 pairs, two
-tokens a word, in the 64- and 128-token builds; fp32 in the 256-token one); but the decoded weights are 16 T (``common.DECODE_FP8_SCALE_LOG2``: the codec forms them with no multiply, |16 T|
-< 64, no saturation) rounded to e4m3, stored to shared memory
-(``stmatrix``), and each step is ``wgmma ... .e4m3.e4m3`` with both operands from shared memory,
-issued asynchronously: the next step's decode runs while this step's MMAs do. The activations are
-e4m3 (the input transform's ``fp8`` form: x' times a power of two per token, |x' 2**e| <= 2**8).
+tokens a word, in the 64- and 128-token builds; fp32 in the 256-token one); but the decoded
+weights are 16 T (``common.DECODE_FP8_SCALE_LOG2``: the codec forms them with no multiply,
+|16 T| < 64, no saturation) rounded to e4m3, stored to shared memory (``stmatrix``), and each
+step is ``wgmma ... .e4m3.e4m3`` with both operands from shared memory, issued asynchronously:
+the next step's decode runs while this step's MMAs do. The activations are e4m3 (the input
+transform's ``fp8`` form: x' times a power of two per token, |x' 2**e| <= 2**8).
 Half the tensor-core time and half the activation bytes of the fp16 kernel, at the fp8 paths'
 accuracy (docs/KERNELS.md, Prefill, "Accuracy"), and token blocks up to 256 (each weight decoded
 once up to 256 tokens): ``escha.matmul``'s path from 65 to 256 tokens on Hopper
@@ -174,18 +175,18 @@ def _step_words(words_ptr, tile, kb, NKB, ok, NW: gl.constexpr, R2: gl.constexpr
 def _decode_fp8_kernel(x_desc, words_ptr, ws_ptr, M, Np, NKB, STEPS, PROGRAMS,
                        BITS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, WM: gl.constexpr,
                        WN: gl.constexpr, A_SMEM: gl.constexpr, PDL: gl.constexpr, PAIRS: gl.constexpr):
-    """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the
-    token block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] +=
-    e4m3(16 T_blk) x'_q^T, written as partials (``decode_wgmma``'s even split; fp32 [segments, M, Np],
-    or with PAIRS bf16 pairs, ``_store_rows``). Each step's words come from global memory into registers two steps ahead,
-    its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3 weights
-    into one of two shared buffers, and the wgmma reads both operands from shared memory,
+    """Program (p, token block): steps [p STEPS / PROGRAMS, (p + 1) STEPS / PROGRAMS) of the token
+    block's row tiles (16 WM rows) x NKB k-blocks, each z^T[16 WM rows, BN tokens] += e4m3(16 T_blk)
+    x'_q^T, written as partials (``decode_wgmma``'s even split; fp32 [segments, M, Np], or with
+    PAIRS bf16 pairs, ``_store_rows``). Each step's words come from global memory into registers two
+    steps ahead, its activation tile by TMA into a ring of STAGES; the warps decode the tile's e4m3
+    weights into one of two shared buffers, and the wgmma reads both operands from shared memory,
     asynchronously: step i's decode runs while step i - 1's MMAs do. Three CTA barriers a step:
-    before the activations' wait (which also orders the decoded tile before the MMAs), after the
-    MMA wait, and the one Triton puts between the refill's expect and its copy. WM warps split the
-    tile's rows, WN its tokens (each warpgroup's MMA takes BN / WN of them); every warp decodes
-    16 / WN rows. With PDL it fetches its first words while the input transform runs, then waits
-    for x', and releases the output transform after its loop."""
+    before the activations' wait (which also orders the decoded tile before the MMAs), after the MMA
+    wait, and the one Triton puts between the refill's expect and its copy. WM warps split the
+    tile's rows, WN its tokens (each warpgroup's MMA takes BN / WN of them); every warp decodes 16 /
+    WN rows. With PDL it fetches its first words while the input transform runs, then waits for x',
+    and releases the output transform after its loop."""
     p = gl.program_id(0)
     tb = gl.program_id(1)
     s0 = ((p.to(gl.int64) * STEPS) // PROGRAMS).to(gl.int32)
@@ -460,7 +461,8 @@ def launch_checked(x: torch.Tensor, qw: QuantizedWeight, config: DecodeFp8Config
     if plan is not None:
         layout = x_smem_layout(cfg.block_tokens)
         y = run_kept(plan, key, plans.setdefault(_GRAPHS, {}), x2d, out, norm, head_norm,
-                     lambda: _parts(x2d, qw, plan.segments, rows, cfg), lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
+                     lambda: _parts(x2d, qw, plan.segments, rows, cfg),
+                     lambda xq: x_descriptor(xq, cfg.block_tokens, layout))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], qw.out_features)
     pdl = cfg.dependent_launch
     xq, inv, pin = prepare_input(x2d, qw, dependent_launch=pdl, release_early=pdl, norm=norm, fp8=True,
@@ -493,9 +495,9 @@ def gemm_partials(xq: torch.Tensor, qw: QuantizedWeight, cfg: DecodeFp8Config,
     """The GEMM alone: the partials of x'_q (e4m3 [rows, Kp], fp8 MMA column order:
     ``prepare_input(..., fp8=True, mma_order=True)``) against e4m3(16 T), as fp32 [segments, M, Np]
     or, with ``cfg.bf16_pairs``, int32 words [segments, (M + 1) // 2, Np] that hold two tokens'
-    bf16 partials each (``partial_values`` reads both), and each 64-row group's count of them (``hadamard_output``'s ``segments``; the other partials
-    are left unwritten). M is ``tokens`` (default: x''s rows); x' may have more rows, which are
-    read and not stored."""
+    bf16 partials each (``partial_values`` reads both), and each 64-row group's count of them
+    (``hadamard_output``'s ``segments``; the other partials are left unwritten). M is ``tokens``
+    (default: x''s rows); x' may have more rows, which are read and not stored."""
     return _gemm(xq, qw, cfg, tokens, keep=False)[:2]
 
 
