@@ -170,7 +170,6 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             xq8 = (x.float() / (x.float().abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
             sa = torch.rand(m, 1, device=dev) + 0.5
-            one = torch.ones((), device=dev)
             arms = {
                 "cublas-fp8-rowwise": (lambda i: torch._scaled_mm(xq8, w8[i % n8].t(), scale_a=sa, scale_b=sb,
                                                                   out_dtype=torch.bfloat16), n8),
@@ -248,7 +247,7 @@ def main() -> None:
                       f"{flops / base[name] / 1e6:7.1f} TF/s  x{base[name] / base['cublas-fp8-rowwise']:.3f} "
                       f"of fp8 rowwise", flush=True)
             print(f"  [{time.time() - t_start:.0f}s]", flush=True)
-        del qws, w8, w16
+        qws = w8 = w16 = None  # the shape's buffers freed before the next shape's
         torch.cuda.empty_cache()
     kr = kernel_report()
     with open(os.path.join(args.out, "prefill.json"), "w") as f:
