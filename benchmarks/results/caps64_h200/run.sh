@@ -5,7 +5,8 @@
 # shapes (two Qwen3-14B-shaped, two Llama-3-8B, two tensor-parallel shards), five interleaved
 # rounds, with PREVIOUS (comma-separated .prev/decode_wgmma_LABEL.py, e.g. the rule with that cap
 # made by snapshot_kernels.sh and SED) timed beside as arms wgmma@LABEL; then, in what time is
-# left, the 512- and 2048-token prompts of the Qwen3-14B-shaped model under the torch profiler (bench_e2e.py --profile-prefill). VARIANTS_S, PROFILE_S: limits.
+# left, the 512- and 2048-token prompts of the Qwen3-14B-shaped model under the torch profiler
+# (bench_e2e.py --profile-prefill). VARIANTS_S, PROFILE_S: limits.
 set -uo pipefail
 out=${1:-/tmp/caps64}
 mkdir -p "$out"
