@@ -31,7 +31,7 @@ import torch
 import escha
 from escha.ops import DEFAULT_RULE, resolve_path
 from escha.bench.cuda_timing import GraphTimer
-from escha.kernels.core_gemm import MIN_M
+from escha.kernels.core_gemm import core_gemm_config
 from escha.kernels.decode_wgmma import decode_wgmma, packed_words
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -67,10 +67,11 @@ def host_parts(x: torch.Tensor, qw, calls: int, rounds: int) -> dict[str, float]
     from escha.kernels.common import CORE_FP8_SCALE, FP8_DTYPE, constant_vector, weight_plans, workspace
     from escha.kernels.dequant import dequant_config
     from escha.kernels.dequant_once import _plan_key, dequant_core_fp8, scaled_mm_rowwise
+    cfg = (dequant_config(qw, x.device), core_gemm_config(qw, x.shape[0], x.device))  # the path's own rules
     m = x.shape[0]
     np_, kp = qw.padded_shape
     escha.matmul(x, qw)
-    p_t, p_act, p_out = weight_plans(qw)[_plan_key("core", x, qw, True, (dequant_config(qw, x.device), None), None)]
+    p_t, p_act, p_out = weight_plans(qw)[_plan_key("core", x, qw, True, cfg, None)]
     t = workspace(qw.device, FP8_DTYPE, (np_, kp))
     t_scale = constant_vector(x.device, np_, 1.0 / CORE_FP8_SCALE.value)
     xq, xscale = run_actquant(x, qw, True, p_act)
@@ -117,7 +118,7 @@ def main() -> int:
             point["us"][name] = {"host": host, "eager": eager, "host_min": least, "gpu": gpu}
             print(f"M={m:5d} {name:13s} host {host:7.1f} us (least {least:7.1f})  eager {eager:7.1f} us  gpu "
                   f"{'-' if gpu is None else f'{gpu:7.1f}'} us", flush=True)
-        if args.parts and point["path"] == "dequant-core-fp8" and m < MIN_M:
+        if args.parts and point["path"] == "dequant-core-fp8" and core_gemm_config(ws[0], m) is None:
             point["parts_host_us"] = host_parts(x, ws[0], args.calls, args.rounds)
             for name, us in point["parts_host_us"].items():
                 print(f"M={m:5d}   part {name:32s} host {us:7.1f} us", flush=True)
